@@ -1,0 +1,75 @@
+"""Every routine task of the Synkhronos monorepo is a nox session.
+
+    nox -s tests        every package's tests, CPU mode, on Python 3.11 and 3.12
+    nox -s lint         ruff
+    nox -s typecheck    mypy on the packages
+    nox -s demo         the main job (see README)
+    nox -s bench        the benchmarks under benchmarks/ (figures go to benchmarks/RESULTS.md)
+
+Each session builds its own environment and installs the packages from their own metadata
+(``packages/*/pyproject.toml``), never from what happens to be installed on the machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+# Import order: a package comes after the ones it imports.
+LAYERS = ["synk-shm", "synk-comm", "synk-theano", "synk-lasagne"]
+PACKAGES = [ROOT / "packages" / name for name in LAYERS if (ROOT / "packages" / name / "pyproject.toml").exists()]
+PYTHONS = ["3.11", "3.12"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def install_packages(session: nox.Session) -> None:
+    """Install every package of the monorepo (one pip call, so local dependencies resolve)."""
+    session.install(*[str(p) for p in PACKAGES])
+
+
+@nox.session(python=PYTHONS)
+def tests(session: nox.Session) -> None:
+    """Every package's tests (CPU mode; GPU tests skip without 2 GPUs)."""
+    install_packages(session)
+    session.install(*TEST_DEPS)
+    paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
+    if (ROOT / "tests").exists():
+        paths.append(str(ROOT / "tests"))
+    session.run("pytest", *paths, *session.posargs, env={"PYTHONUNBUFFERED": "1"})
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff over the whole repository."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """mypy on every package's sources."""
+    install_packages(session)
+    session.install("mypy>=1.10")
+    session.run("mypy", *[str(p / "src") for p in PACKAGES])
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """The main job: the best real example that exists (see README)."""
+    install_packages(session)
+    session.run("python", "examples/main.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Benchmarks; each prints a table and appends nothing by itself (copy into RESULTS.md)."""
+    install_packages(session)
+    session.install("torch==2.13.0")
+    scripts = session.posargs or sorted(str(p) for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    for script in scripts:
+        session.run("python", script)
