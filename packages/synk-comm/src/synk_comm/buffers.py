@@ -1,0 +1,169 @@
+"""Per-rank shared-memory buffers through which ranks exchange arrays and objects.
+
+Each rank owns ``NBUF`` growable segments: two that collectives use in turn (so that a collective
+never needs a trailing barrier: the buffer it wrote is written again only two collectives later,
+after a barrier that every reader has passed) and a mailbox for command payloads and errors.  The
+owner grows a buffer by creating a larger segment under a new tag, recorded in its control row;
+a reader compares tags and re-attaches when the owner moved.
+
+A published message is a set of arrays laid out as::
+
+    [int64 meta_len][pickle of [(dtype, shape, offset), ...]][pad][array 0][pad][array 1]...
+
+so that readers get zero-copy numpy views of every array.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from synk_comm.lockstep import NBUF, ControlBlock
+from synk_shm import SharedArray
+
+__all__ = ["Buffers"]
+
+ALIGN = 64
+MIN_CAPACITY = 1 << 16
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _Mapped:
+    """A buffer segment with cached views of its message header."""
+
+    __slots__ = ("cache", "meta", "meta_len", "seg")
+
+    def __init__(self, seg: SharedArray) -> None:
+        self.seg = seg
+        self.meta_len = seg.view(1, np.int64)
+        self.meta = seg.view(seg.capacity - 8, np.uint8, 8)
+        self.cache: tuple[bytes, list[np.ndarray]] | None = None  # last message layout and its views
+
+    def close(self) -> None:
+        self.cache = None
+        del self.meta_len, self.meta
+        self.seg.close()
+
+
+class Buffers:
+    """The buffers of every rank, as seen from rank ``rank``."""
+
+    def __init__(self, control: ControlBlock, prefix: str, rank: int, size: int) -> None:
+        self.control = control
+        self.prefix = prefix
+        self.rank = rank
+        self.size = size
+        self._tags = control.rows["buf_tag"]  # (size, NBUF) int64 view
+        self._caps = control.rows["buf_cap"]
+        self._own: list[_Mapped | None] = [None] * NBUF
+        self._peers: dict[tuple[int, int], tuple[int, _Mapped]] = {}
+        self._layouts: dict[tuple[tuple[Any, tuple[int, ...]], ...], tuple[bytes, int, list[int]]] = {}
+
+    # -- owner side ---------------------------------------------------------------------------
+    def own(self, k: int, nbytes: int) -> SharedArray:
+        """This rank's buffer ``k``, grown to hold at least ``nbytes``."""
+        return self._own_mapped(k, nbytes).seg
+
+    def _own_mapped(self, k: int, nbytes: int) -> _Mapped:
+        mapped = self._own[k]
+        if mapped is None or mapped.seg.capacity < nbytes:
+            old = None if mapped is None else mapped.seg.capacity
+            tag = int(self._tags[self.rank, k]) + 1
+            capacity = max(MIN_CAPACITY, nbytes, 0 if old is None else min(2 * old, 2 * nbytes))
+            seg = SharedArray.create(capacity, np.uint8, name=f"{self.prefix}b{self.rank}.{k}.{tag}",
+                                     purpose=f"rank {self.rank}'s exchange buffer")
+            if mapped is not None:
+                mapped.seg.unlink()
+                mapped.close()
+            self._own[k] = mapped = _Mapped(seg)
+            self._caps[self.rank, k] = capacity
+            self._tags[self.rank, k] = tag
+        return mapped
+
+    def _layout(self, arrays: Sequence[np.ndarray]) -> tuple[bytes, int, list[int]]:
+        key = tuple((a.dtype, a.shape) for a in arrays)
+        layout = self._layouts.get(key)
+        if layout is None:
+            offsets, offset = [], 0
+            for a in arrays:
+                offsets.append(offset)
+                offset = _align(offset + a.nbytes)
+            meta = pickle.dumps([(d, s, o) for (d, s), o in zip(key, offsets)], pickle.HIGHEST_PROTOCOL)
+            base = _align(8 + len(meta))
+            if len(self._layouts) > 256:
+                self._layouts.clear()
+            layout = self._layouts[key] = (meta, base, [base + o for o in offsets] + [base + offset])
+        return layout
+
+    def reserve(self, k: int, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Lay out a message of arrays shaped like ``arrays`` in buffer ``k``; return the views to
+        fill (nothing is copied: for writers that fill the message piece by piece)."""
+        meta, _, offsets = self._layout(arrays)
+        mapped = self._own_mapped(k, offsets[-1])
+        mapped.meta_len[0] = len(meta)
+        mapped.meta[: len(meta)] = np.frombuffer(meta, np.uint8)
+        seg = mapped.seg
+        return [seg.view(a.shape, a.dtype, off) for a, off in zip(arrays, offsets)]
+
+    def publish(self, k: int, arrays: Sequence[np.ndarray]) -> None:
+        """Write ``arrays`` (with their dtypes and shapes) into this rank's buffer ``k``."""
+        for view, a in zip(self.reserve(k, arrays), arrays):
+            if a.nbytes:
+                view[...] = a
+
+    def publish_bytes(self, k: int, data: bytes) -> None:
+        """Write raw bytes (a pickle) into this rank's buffer ``k``."""
+        self.publish(k, [np.frombuffer(data, np.uint8)])
+
+    # -- reader side --------------------------------------------------------------------------
+    def _mapped(self, rank: int, k: int) -> _Mapped:
+        if rank == self.rank:
+            mapped = self._own[k]
+            assert mapped is not None, "read of an own buffer that was never written"
+            return mapped
+        tag = int(self._tags[rank, k])
+        cached = self._peers.get((rank, k))
+        if cached is None or cached[0] != tag:
+            if cached is not None:
+                cached[1].close()
+            seg = SharedArray.attach(f"{self.prefix}b{rank}.{k}.{tag}", 0, np.uint8)
+            self._peers[(rank, k)] = cached = (tag, _Mapped(seg))
+        return cached[1]
+
+    def segment(self, rank: int, k: int) -> SharedArray:
+        """Rank ``rank``'s buffer ``k`` mapped here (re-attached if its owner grew it)."""
+        return self._mapped(rank, k).seg
+
+    def read(self, rank: int, k: int) -> list[np.ndarray]:
+        """Zero-copy views of the arrays that ``rank`` published in its buffer ``k``."""
+        mapped = self._mapped(rank, k)
+        meta = mapped.meta[: int(mapped.meta_len[0])].tobytes()
+        if mapped.cache is not None and mapped.cache[0] == meta:
+            return mapped.cache[1]
+        layout = pickle.loads(meta)
+        base = _align(8 + len(meta))
+        seg = mapped.seg
+        views = [seg.view(shape, dtype, base + off) if math.prod(shape) else np.empty(shape, dtype)
+                 for dtype, shape, off in layout]
+        mapped.cache = (meta, views)
+        return views
+
+    def read_bytes(self, rank: int, k: int) -> bytes:
+        return self.read(rank, k)[0].tobytes()
+
+    def close(self) -> None:
+        for mapped in self._own:
+            if mapped is not None:
+                mapped.seg.unlink()
+                mapped.close()
+        for _, mapped in self._peers.values():
+            mapped.close()
+        self._own = [None] * NBUF
+        self._peers.clear()

@@ -1,0 +1,79 @@
+"""Exceptions of synk_comm.
+
+Two kinds, as in nccl4py: mistakes in the call (``TypeError``/``ValueError``, raised in the
+calling process before any other rank is asked to act) and failures of the group at run time
+(:class:`WorkerError`, :class:`WorkerDiedError`, :class:`GroupBrokenError`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["WorkerError", "WorkerDiedError", "GroupBrokenError", "GroupAborted", "RemoteError"]
+
+
+class RemoteError:
+    """An exception raised in another rank, as it travels (picklable)."""
+
+    def __init__(self, rank: int, type_name: str, message: str, traceback: str) -> None:
+        self.rank = rank
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+
+    def __repr__(self) -> str:
+        return f"RemoteError(rank={self.rank}, {self.type_name}: {self.message})"
+
+
+class WorkerError(RuntimeError):
+    """A handler raised in one or more worker ranks; the group is still usable.
+
+    Attributes
+    ----------
+    errors : list of RemoteError
+        One per failing rank, with the rank, the exception type and the worker's traceback.
+    """
+
+    def __init__(self, errors: list[RemoteError]) -> None:
+        self.errors = errors
+        parts = [f"rank {e.rank} raised {e.type_name}: {e.message}\n--- traceback in rank {e.rank} ---\n"
+                 f"{e.traceback.rstrip()}" for e in errors]
+        super().__init__("\n".join(parts))
+
+    @property
+    def ranks(self) -> list[int]:
+        return [e.rank for e in self.errors]
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process ended without being asked to (crash, kill, OOM); the group is closed."""
+
+    def __init__(self, rank: int, pid: int, returncode: int | None, detail: str = "") -> None:
+        self.rank, self.pid, self.returncode = rank, pid, returncode
+        super().__init__(f"rank {rank} (pid {pid}) died: {describe_exit(returncode)}.{detail} The group "
+                         "is closed; start a new one (synkhronos: call fork() again).")
+
+
+class GroupBrokenError(RuntimeError):
+    """The group can no longer be used (a rank died, or it was closed)."""
+
+
+class GroupAborted(RuntimeError):
+    """Raised inside a rank's code when another rank failed during the same command.
+
+    The master turns it into the other rank's error; user code rarely sees it.
+    """
+
+
+def describe_exit(returncode: int | None) -> str:
+    """``-9`` -> ``'killed by signal 9 (SIGKILL)'``."""
+    import signal
+
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        hint = "; out of memory?" if -returncode == signal.SIGKILL else ""
+        return f"killed by signal {-returncode} ({name}{hint})"
+    return f"exited with code {returncode}"

@@ -1,0 +1,618 @@
+"""A group of processes on one machine that run in lock-step.
+
+Two ways in:
+
+* :func:`spawn` (SPMD, like ``torch.multiprocessing.spawn``): ``fn(group, *args)`` runs in every
+  rank, the calling process included (as the master rank), and the list of return values comes
+  back in rank order.
+* :func:`start` (master-driven, what :mod:`synkhronos` uses): the master sends commands;
+  each worker runs the handler registered under the command's name (:func:`handler`), while the
+  master runs its own part inside ``with group.command(name, payload):``.  The start and the end
+  of every command are barriers.
+
+Workers are fresh interpreters (``python -m synk_comm.worker``) with their environment set at
+launch (``CUDA_VISIBLE_DEVICES`` among it), never forks of the master and never re-runs of its
+``__main__``.  A worker's exception reaches the master as :class:`~synk_comm.errors.WorkerError`
+(rank and traceback) and the group stays usable; a worker that dies makes the master's next wait
+fail within a fraction of a second with :class:`~synk_comm.errors.WorkerDiedError`; workers
+exit, cleaning up the run's shared memory, when the master dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from synk_comm.buffers import Buffers
+from synk_comm.errors import (
+    GroupAborted,
+    GroupBrokenError,
+    RemoteError,
+    WorkerDiedError,
+    WorkerError,
+    describe_exit,
+)
+from synk_comm.lockstep import (
+    ABORT,
+    ABORTED,
+    CMD,
+    ERROR,
+    MAILBOX,
+    OK,
+    PAYLOAD_NBYTES,
+    ControlBlock,
+    Semaphores,
+    wait,
+)
+from synk_comm.ops import ReduceOp
+from synk_comm.shm_collectives import ShmCollectives
+from synk_shm import naming
+
+__all__ = ["Group", "start", "spawn", "handler", "current_group"]
+
+log = logging.getLogger(__name__)
+
+EXIT = -1
+HANDLERS: dict[str, Callable[[Group, Any], Any]] = {}
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def handler(name: str | None = None) -> Callable[[F], F]:
+    """Register ``fn(group, payload)`` as the handler of command ``name`` (default: its qualified name).
+
+    The module that defines it must be importable in the workers: pass it in ``imports`` of
+    :func:`start`.
+    """
+
+    def register(fn: F) -> F:
+        HANDLERS[name or f"{fn.__module__}.{fn.__qualname__}"] = fn
+        return fn
+
+    return register
+
+
+_current: Group | None = None
+
+
+def current_group() -> Group | None:
+    """The group this process belongs to (in a worker: its group; in the master: the last started)."""
+    return _current
+
+
+class Group:
+    """The ranks of a group as seen from one of them; made by :func:`start`, :func:`spawn`, or
+    the worker entry point.
+
+    Attributes
+    ----------
+    rank, size, master_rank : int
+        Who we are, how many there are, and which rank drives the commands.
+    device : str or None
+        This rank's entry of the ``devices`` given to :func:`start` (its ``CUDA_VISIBLE_DEVICES``).
+    scratch : numpy.ndarray
+        Shared int64 slots for a command's small arguments, written by the master before the
+        command (the hot path: no pickling, no allocation).
+    """
+
+    def __init__(self, *, prefix: str, rank: int, size: int, master_rank: int, scratch_size: int,
+                 device: str | None, create: bool) -> None:
+        self.prefix = prefix
+        self.rank = rank
+        self.size = size
+        self.master_rank = master_rank
+        self.device = device
+        self.is_master = rank == master_rank
+        self._closed = False
+        self._broken: str | None = None
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._pending = 0
+        self._buffer_turn = 0
+        self._command_names: list[str] = []
+        self._nccl: Any = None
+        if create:
+            self.control = ControlBlock.create(f"{prefix}ctl", size, scratch_size)
+        else:
+            self.control = ControlBlock.attach(f"{prefix}ctl", size, scratch_size)
+        self.sems = Semaphores(prefix, size, create=create)
+        self.buffers = Buffers(self.control, prefix, rank, size)
+        self.scratch = self.control.scratch
+        self.host = ShmCollectives(self)
+        self.workers = [r for r in range(size) if r != master_rank]
+        self._master_pid = os.getpid() if create else int(os.environ.get("SYNK_MASTER_PID", "0"))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self._broken else "open")
+        return f"<synk_comm.Group rank {self.rank} of {self.size}, master {self.master_rank}, {state}>"
+
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _require_usable(self) -> None:
+        if self._broken:
+            raise GroupBrokenError(self._broken)
+        if self._closed:
+            raise GroupBrokenError("the group is closed: start a new one")
+
+    def _next_buffer(self) -> int:
+        k = self._buffer_turn
+        self._buffer_turn ^= 1
+        return k
+
+    # -- liveness -------------------------------------------------------------------------------
+    def _check(self) -> None:
+        """Called while waiting: raise if a peer died or the current command was aborted."""
+        if self.is_master:
+            self._check_workers()
+        elif os.getppid() != self._master_pid:
+            _master_gone(self.prefix)
+        if self.control.header[ABORT]:
+            raise GroupAborted(f"rank {int(self.control.header[ABORT]) - 1} failed during this command")
+
+    def _check_workers(self) -> None:
+        for r, proc in self._procs.items():
+            if proc.poll() is not None:
+                self._fail_dead(r, proc)
+
+    def _fail_dead(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        detail = ""
+        if int(self.control.rows[rank]["status"]) == ERROR:
+            err = self._read_error(rank)
+            detail = f" It reported {err.type_name}: {err.message}\n{err.traceback}"
+        self._broken = (f"rank {rank} died ({describe_exit(proc.returncode)}); the group is closed: "
+                        "start a new one")
+        self.control.header[ABORT] = self.rank + 1
+        self._shutdown(timeout=2.0)
+        raise WorkerDiedError(rank, proc.pid, proc.returncode, detail)
+
+    # -- lock-step ------------------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Wait until every rank reaches its barrier (coordinated by the master rank)."""
+        if self.size == 1:
+            return
+        sems = self.sems
+        if self.is_master:
+            for _ in self.workers:
+                wait(sems.arrive, self._check, what="the other ranks at a barrier")
+            for r in self.workers:
+                sems.release[r].release()
+        else:
+            sems.arrive.release()
+            wait(sems.release[self.rank], self._check, what="the master at a barrier")
+
+    @contextlib.contextmanager
+    def command(self, name: str, payload: Any = None) -> Iterator[None]:
+        """Run command ``name`` in every worker while the body runs the master's part.
+
+        ``payload`` (any picklable object, or None for the hot path) reaches each worker's
+        handler.  On exit the master waits for every worker; a worker's exception is raised here
+        as :class:`WorkerError`, after which the group is usable again.
+
+        Raises
+        ------
+        WorkerError
+            If a worker's handler raised.
+        WorkerDiedError
+            If a worker process died.
+        ValueError
+            If no handler is registered under ``name``.
+        """
+        self._require_master()
+        self._require_usable()
+        self._settle()
+        try:
+            cmd = self._command_names.index(name)
+        except ValueError:
+            raise ValueError(f"no handler named {name!r} was registered in the workers; registered: "
+                             f"{', '.join(self._command_names)}") from None
+        header = self.control.header
+        if payload is None:
+            header[PAYLOAD_NBYTES] = 0
+        else:
+            data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+            self.buffers.publish_bytes(MAILBOX, data)
+            header[PAYLOAD_NBYTES] = len(data)
+        header[CMD] = cmd
+        self._buffer_turn = 0
+        self._pending = len(self.workers)
+        for r in self.workers:
+            self.sems.go[r].release()
+        master_exc: BaseException | None = None
+        try:
+            yield
+        except BaseException as exc:
+            master_exc = exc
+            if not isinstance(exc, GroupAborted):
+                header[ABORT] = self.rank + 1
+        if isinstance(master_exc, KeyboardInterrupt) or self._closed:
+            # KeyboardInterrupt: the workers' completions are collected before the next command.
+            # Closed: a worker died and the group shut down; nothing is left to collect.
+            assert master_exc is not None
+            raise master_exc
+        self._finish(master_exc)
+
+    def run(self, name: str, payload: Any = None) -> Any:
+        """Run handler ``name`` in every rank (master included); returns the master's result."""
+        self._require_master()
+        fn = HANDLERS[name]
+        with self.command(name, payload):
+            return fn(self, payload)
+
+    def _collect(self) -> None:
+        def check() -> None:
+            self._check_workers()
+
+        while self._pending > 0:
+            try:
+                wait(self.sems.done, check, what="the workers to finish")
+            except KeyboardInterrupt:
+                self.control.header[ABORT] = self.rank + 1
+                raise
+            self._pending -= 1
+
+    def _finish(self, master_exc: BaseException | None) -> None:
+        self._collect()
+        errors = self._take_errors()
+        header = self.control.header
+        if header[ABORT] or errors:
+            self.sems.drain()
+            header[ABORT] = 0
+        if master_exc is not None and not isinstance(master_exc, GroupAborted):
+            for e in errors:
+                log.error("rank %d also raised %s: %s", e.rank, e.type_name, e.message)
+            raise master_exc
+        if errors:
+            raise WorkerError(errors) from None
+        if master_exc is not None:
+            raise master_exc
+
+    def _settle(self) -> None:
+        """Collect the completions of an interrupted command before starting another."""
+        if self._pending == 0:
+            return
+        log.warning("synk_comm: waiting for the workers to finish the interrupted command")
+        self._collect()
+        for e in self._take_errors():
+            log.warning("rank %d raised %s during the interrupted command: %s",
+                        e.rank, e.type_name, e.message)
+        self.sems.drain()
+        self.control.header[ABORT] = 0
+
+    def _take_errors(self) -> list[RemoteError]:
+        rows = self.control.rows
+        errors = []
+        for r in self.workers:
+            status = int(rows[r]["status"])
+            if status == ERROR:
+                errors.append(self._read_error(r))
+            rows[r]["status"] = OK
+        return errors
+
+    def _read_error(self, rank: int) -> RemoteError:
+        try:
+            err = pickle.loads(self.buffers.read_bytes(rank, MAILBOX))
+            assert isinstance(err, RemoteError)
+            return err
+        except Exception as exc:  # pragma: no cover - the worker died while writing
+            return RemoteError(rank, "unknown", f"(its error could not be read: {exc!r})", "")
+
+    def _require_master(self) -> None:
+        if not self.is_master:
+            raise RuntimeError("only the master rank can send commands")
+
+    # -- worker side ----------------------------------------------------------------------------
+    def _serve(self) -> None:
+        """The worker loop: wait for a command, run its handler, report, repeat until EXIT."""
+        header, row = self.control.header, self.control.rows[self.rank]
+        handlers = [HANDLERS[n] for n in self._command_names]
+
+        def check_master() -> None:
+            if os.getppid() != self._master_pid:
+                _master_gone(self.prefix)
+
+        while True:
+            wait(self.sems.go[self.rank], check_master)
+            cmd = int(header[CMD])
+            if cmd == EXIT:
+                return
+            self._buffer_turn = 0
+            status = OK
+            try:
+                payload = None
+                if header[PAYLOAD_NBYTES]:
+                    payload = pickle.loads(self.buffers.read_bytes(self.master_rank, MAILBOX))
+                handlers[cmd](self, payload)
+            except GroupAborted:
+                status = ABORTED
+            except BaseException as exc:
+                status = ERROR
+                self._report(exc)
+                header[ABORT] = self.rank + 1
+            row["status"] = status
+            self.sems.done.release()
+
+    def _report(self, exc: BaseException) -> None:
+        err = RemoteError(self.rank, type(exc).__name__, str(exc), traceback.format_exc())
+        self.buffers.publish_bytes(MAILBOX, pickle.dumps(err, pickle.HIGHEST_PROTOCOL))
+
+    # -- collectives (numpy arrays through shared memory; CUDA arrays through NCCL) -------------
+    def _backend(self, array: Any) -> Any:
+        if array is not None and not isinstance(array, np.ndarray) and _is_cuda_array(array):
+            if self._nccl is None:
+                from synk_comm.nccl import NcclCollectives
+
+                self._nccl = NcclCollectives(self)
+            return self._nccl
+        return self.host
+
+    def broadcast(self, array: Any, *, root: int | None = None) -> Any:
+        """Every rank returns ``root``'s array (see :mod:`synk_comm.collectives`)."""
+        root = self.master_rank if root is None else root
+        return self._backend(array).broadcast(array, root=root)
+
+    def reduce(self, array: Any, op: ReduceOp | str = "sum", *, root: int | None = None) -> Any:
+        """``root`` (default: the master) returns ``op`` over every rank's array; others None."""
+        root = self.master_rank if root is None else root
+        return self._backend(array).reduce(array, op, root=root)
+
+    def all_reduce(self, array: Any, op: ReduceOp | str = "sum", *, out: Any = None) -> Any:
+        """Every rank returns ``op`` over every rank's array."""
+        return self._backend(array).all_reduce(array, op, out=out)
+
+    def gather(self, array: Any, *, root: int | None = None) -> list[Any] | None:
+        """``root`` returns every rank's array in rank order (shapes may differ); others None."""
+        root = self.master_rank if root is None else root
+        return self._backend(array).gather(array, root=root)
+
+    def all_gather(self, array: Any) -> list[Any]:
+        """Every rank returns every rank's array in rank order (shapes may differ)."""
+        return self._backend(array).all_gather(array)
+
+    def scatter(self, arrays: Sequence[Any] | None, *, root: int | None = None) -> Any:
+        """Rank ``r`` returns ``arrays[r]`` of ``root``'s list."""
+        root = self.master_rank if root is None else root
+        probe = arrays[0] if arrays else None
+        return self._backend(probe).scatter(arrays, root=root)
+
+    def reduce_scatter(self, array: Any, op: ReduceOp | str = "sum") -> Any:
+        """Rank ``r`` returns ``op`` over every rank's chunk ``r`` (``array_split`` on axis 0)."""
+        return self._backend(array).reduce_scatter(array, op)
+
+    def broadcast_object(self, obj: object = None, *, root: int | None = None) -> object:
+        """Every rank returns ``root``'s picklable object."""
+        return self.host.broadcast_object(obj, root=self.master_rank if root is None else root)
+
+    def gather_object(self, obj: object, *, root: int | None = None) -> list[object] | None:
+        """``root`` returns every rank's picklable object in rank order; others None."""
+        return self.host.gather_object(obj, root=self.master_rank if root is None else root)
+
+    @property
+    def nccl(self) -> Any:
+        """The NCCL backend (made on first use; needs ``synk-comm[nccl]`` and a GPU per rank)."""
+        if self._nccl is None:
+            from synk_comm.nccl import NcclCollectives
+
+            self._nccl = NcclCollectives(self)
+        return self._nccl
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers, join them, and unlink every segment and semaphore of the group.
+
+        Idempotent; runs at interpreter exit too.  Workers still busy after ``timeout`` seconds
+        are killed.
+        """
+        if self._closed:
+            return
+        if self.is_master:
+            self._shutdown(timeout)
+        else:
+            self._release_resources(unlink=False)
+        self._closed = True
+
+    def _shutdown(self, timeout: float) -> None:
+        """Tell every worker to exit (after aborting whatever it is doing), join, clean up."""
+        if self._procs:
+            header = self.control.header
+            header[ABORT] = self.rank + 1  # a worker inside a command leaves its barriers...
+            header[CMD] = EXIT  # ...and then finds EXIT waiting
+            for r in self.workers:
+                self.sems.go[r].release()
+        deadline = time.monotonic() + timeout
+        for proc in self._procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("synk_comm: worker pid %d did not exit in time; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+        self._pending = 0
+        self._release_resources(unlink=True)
+        self._closed = True
+
+    def _release_resources(self, unlink: bool) -> None:
+        if self._nccl is not None:
+            with contextlib.suppress(Exception):
+                self._nccl.close()
+            self._nccl = None
+        self.buffers.close()
+        self.sems.close(unlink=unlink)
+        if unlink:
+            self.control.segment.unlink()
+        self.control.close()
+        if unlink:
+            naming.unlink_prefix(self.prefix)
+
+
+def _is_cuda_array(obj: Any) -> bool:
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    devices = getattr(obj, "devices", None)  # jax.Array
+    if callable(devices):
+        try:
+            return any(d.platform == "gpu" for d in devices())
+        except Exception:
+            return False
+    return bool(getattr(obj, "is_cuda", False))  # torch.Tensor
+
+
+def _master_gone(prefix: str) -> None:
+    """In a worker whose master died: remove every shared-memory object of the run, then exit."""
+    run = os.environ.get(naming.RUN_PREFIX_ENV, prefix)
+    naming.unlink_prefix(run)
+    naming.cleanup()
+    os._exit(3)
+
+
+# --- starting a group ---------------------------------------------------------------------------
+
+def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
+          devices: Sequence[str | int] | None = None, env: dict[str, str] | None = None,
+          scratch_size: int = 4096, startup_timeout: float = 300.0, main_path: str | None = None) -> Group:
+    """Start ``size - 1`` worker processes and return the master's :class:`Group` (rank ``master_rank``).
+
+    Parameters
+    ----------
+    size : int
+        Number of ranks, the master included (>= 1).
+    imports : sequence of str
+        Modules every worker imports before serving; they register the command handlers
+        (:func:`handler`).  The master imports them too.
+    master_rank : int
+        The master's rank, in ``[0, size)``.
+    devices : sequence, optional
+        One entry per rank: rank ``r`` gets ``CUDA_VISIBLE_DEVICES=devices[r]`` before it starts.
+    env : dict, optional
+        Extra environment variables for the workers.
+    scratch_size : int
+        Number of int64 hot-path argument slots (:attr:`Group.scratch`).
+    startup_timeout : float
+        Seconds to wait for every worker to be ready.
+
+    Raises
+    ------
+    ValueError
+        For a bad ``size``, ``master_rank`` or ``devices``.
+    WorkerError, WorkerDiedError
+        If a worker failed to start (its traceback is in the message).
+    """
+    global _current
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    if not 0 <= master_rank < size:
+        raise ValueError(f"master_rank must be in [0, {size}), got {master_rank}")
+    if devices is not None and len(devices) != size:
+        raise ValueError(f"devices must have one entry per rank ({size}), got {len(devices)}")
+    for module in imports:
+        importlib.import_module(module)
+    naming.sweep()
+    prefix = naming.new_name("g") + "."
+    group = Group(prefix=prefix, rank=master_rank, size=size, master_rank=master_rank,
+                  scratch_size=scratch_size, device=None if devices is None else str(devices[master_rank]),
+                  create=True)
+    group._command_names = sorted(HANDLERS)
+    config = {"imports": list(imports), "handlers": group._command_names, "sys_path": list(sys.path),
+              "main_path": main_path}
+    group.buffers.publish_bytes(MAILBOX, pickle.dumps(config, pickle.HIGHEST_PROTOCOL))
+    base_env = dict(os.environ)
+    base_env.update(env or {})
+    base_env.update({naming.RUN_PREFIX_ENV: naming.run_prefix(), "SYNK_GROUP_PREFIX": prefix,
+                     "SYNK_SIZE": str(size), "SYNK_MASTER_RANK": str(master_rank),
+                     "SYNK_MASTER_PID": str(os.getpid()), "SYNK_SCRATCH_SIZE": str(scratch_size)})
+    try:
+        for r in group.workers:
+            wenv = dict(base_env, SYNK_RANK=str(r))
+            if devices is not None:
+                wenv["CUDA_VISIBLE_DEVICES"] = str(devices[r])
+            group._procs[r] = subprocess.Popen([sys.executable, "-m", "synk_comm.worker"], env=wenv,
+                                               stdin=subprocess.DEVNULL)
+        group._pending = len(group.workers)
+        t0 = time.monotonic()
+        while group._pending:
+            wait(group.sems.done, group._check_workers, timeout=startup_timeout, what="the workers to start")
+            group._pending -= 1
+        errors = group._take_errors()
+        if errors:
+            raise WorkerError(errors)
+    except BaseException:
+        if not group.closed:
+            group._shutdown(timeout=5.0)
+        raise
+    log.info("synk_comm: %d ranks ready in %.2f s (master rank %d, pid %d)", size, time.monotonic() - t0,
+             master_rank, os.getpid())
+    _register_exit(group)
+    _current = group
+    return group
+
+
+def _register_exit(group: Group) -> None:
+    ref = weakref.ref(group)
+
+    def close() -> None:
+        g = ref()
+        if g is not None:
+            g.close(timeout=5.0)
+
+    atexit.register(close)
+    naming.on_termination(close)
+
+
+# --- SPMD ---------------------------------------------------------------------------------------
+
+_SPMD = "synk_comm.spmd"
+
+
+@handler(_SPMD)
+def _run_spmd(group: Group, payload: tuple[Callable[..., Any], tuple[Any, ...]]) -> Any:
+    fn, args = payload
+    result = fn(group, *args)
+    results = group.gather_object(result)
+    return results
+
+
+def spawn(fn: Callable[..., Any], size: int, args: Sequence[Any] = (), **start_kwargs: Any) -> list[Any]:
+    """Run ``fn(group, *args)`` in ``size`` ranks (this process is rank 0) and return their results.
+
+    ``fn`` and ``args`` travel by pickle, so ``fn`` must be importable: a module-level function of
+    a module, or of the main script if that script guards its top level with
+    ``if __name__ == "__main__":``.  The group is closed on return.
+
+    Examples
+    --------
+    >>> def total(group, x):                                # doctest: +SKIP
+    ...     return group.all_reduce(np.full(3, x + group.rank), "sum")
+    >>> spawn(total, 4, args=(1.0,))                          # doctest: +SKIP
+    [array([10., 10., 10.]), array([10., ...]), ...]
+    """
+    main_path = None
+    if getattr(fn, "__module__", None) == "__main__":
+        main_path = getattr(sys.modules["__main__"], "__file__", None)
+        if main_path is None:
+            raise ValueError("spawn: fn is defined in an interactive session; workers cannot import it. "
+                             "Define it in a module (or a script with a main guard).")
+    group = start(size, main_path=main_path, **start_kwargs)
+    try:
+        results = group.run(_SPMD, (fn, tuple(args)))
+    finally:
+        group.close()
+    return list(results)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
