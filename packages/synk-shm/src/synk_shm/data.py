@@ -18,12 +18,15 @@ other processes eagerly.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+import operator
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from synk_shm.segment import SharedArray
+from synk_shm.segment import SharedArray, check_dtype
 
 __all__ = ["Data", "DataHandle"]
 
@@ -31,7 +34,7 @@ __all__ = ["Data", "DataHandle"]
 class DataHandle(NamedTuple):
     """What another process needs to attach to a :class:`Data` (small and picklable).
 
-    ``segment`` is None while the Data holds no memory; ``tag`` changes with every
+    ``segment`` and ``shape`` are None while the Data holds no memory; ``tag`` changes with every
     reallocation, so a process that holds an older tag knows it must re-attach.
     """
 
@@ -41,6 +44,7 @@ class DataHandle(NamedTuple):
     tag: int
     minibatch: bool
     name: str | None
+    ndim: int | None = None  # None in handles built by hand: len(shape) then
 
 
 def _check_oversize(oversize: float) -> float:
@@ -75,7 +79,12 @@ class Data:
     Raises
     ------
     TypeError
-        If dtype or ndim can be neither given nor inferred, or ``value`` cannot be cast safely.
+        If dtype or ndim can be neither given nor inferred, the dtype holds Python objects, or
+        ``value`` cannot be cast safely.
+    ValueError
+        If ``oversize`` is outside [1, 2] or ``ndim`` is negative.
+    SharedMemoryFullError
+        If ``/dev/shm`` has too little room (see :class:`~synk_shm.SharedMemoryFullError`).
 
     Examples
     --------
@@ -96,7 +105,7 @@ class Data:
                  name: str | None = None) -> None:
         _check_oversize(oversize)
         if value is not None and not isinstance(value, np.ndarray):
-            value = np.asarray(value.data if isinstance(value, Data) else value)
+            value = np.asarray(value)  # a Data: through __array__
         if dtype is None:
             if value is None:
                 raise TypeError("Data needs a dtype: give value=, dtype= (or var= in synkhronos.data)")
@@ -109,8 +118,13 @@ class Data:
             else:
                 raise TypeError("Data needs an ndim: give value=, shape=, ndim= (or var= in "
                                 "synkhronos.data)")
-        self.dtype: np.dtype[Any] = np.dtype(dtype)
-        self.ndim: int = int(ndim)
+        self.dtype: np.dtype[Any] = check_dtype(dtype)
+        try:
+            self.ndim: int = operator.index(ndim)
+        except TypeError:
+            raise TypeError(f"ndim must be an integer, got {ndim!r}") from None
+        if self.ndim < 0:
+            raise ValueError(f"ndim must be >= 0, got {self.ndim}")
         self.minibatch: bool = bool(minibatch)
         self.name: str | None = name
         self._segment: SharedArray | None = None
@@ -167,6 +181,9 @@ class Data:
     def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         values = self._values()
         if dtype is not None and np.dtype(dtype) != values.dtype:
+            if copy is False:
+                raise ValueError(f"{self._what()} has dtype {self.dtype}: reading it as "
+                                 f"{np.dtype(dtype)} needs a copy, and copy=False forbids one")
             return values.astype(dtype)
         return values.copy() if copy else values
 
@@ -193,7 +210,7 @@ class Data:
         TypeError
             If the cast is not safe and ``force_cast`` is False, or ndim differs.
         """
-        arr = np.asarray(value.data if isinstance(value, Data) else value)
+        arr = np.asarray(value)  # a Data: through __array__
         if arr.ndim != self.ndim:
             raise TypeError(f"{self._what()} has ndim={self.ndim}; the value has ndim={arr.ndim} "
                             f"(shape {arr.shape})")
@@ -229,7 +246,7 @@ class Data:
         if self.ndim == 0:
             raise TypeError(f"{self._what()} is 0-d: it has no length; use set_value()")
         old = self.shape
-        tail = old[1:] if old is not None else None
+        tail = old[1:] if old is not None else () if self.ndim == 1 else None
         if tail is None:
             raise ValueError(f"{self._what()} has no shape yet: use set_shape() or set_value() first")
         self.set_shape((length, *tail), oversize)
@@ -261,7 +278,7 @@ class Data:
     def handle(self) -> DataHandle:
         """A picklable description of this Data for :meth:`attach` in another process."""
         return DataHandle(None if self._segment is None else self._segment.name, self.dtype.str,
-                          self.shape, self._tag, self.minibatch, self.name)
+                          self.shape, self._tag, self.minibatch, self.name, self.ndim)
 
     @classmethod
     def attach(cls, handle: DataHandle) -> Data:
@@ -270,8 +287,8 @@ class Data:
         An attached Data reads and writes the same memory as its creator but cannot change the
         shape or allocation: only the creator can, and :meth:`update` follows it here.
         """
-        obj = cls(dtype=handle.dtype, ndim=0 if handle.shape is None else len(handle.shape),
-                  minibatch=handle.minibatch, name=handle.name)
+        ndim = handle.ndim if handle.ndim is not None else len(handle.shape or ())
+        obj = cls(dtype=handle.dtype, ndim=ndim, minibatch=handle.minibatch, name=handle.name)
         obj._owner = False
         obj.update(handle)
         return obj
@@ -316,7 +333,7 @@ class Data:
     def _drop_segment(self) -> None:
         seg, self._segment = self._segment, None
         if seg is not None:
-            if self._owner:
+            if self._owner and seg.pid == os.getpid():  # not in a forked child: the parent's
                 seg.unlink()
             seg.close()
 

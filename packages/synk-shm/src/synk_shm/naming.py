@@ -22,7 +22,7 @@ import os
 import re
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import posix_ipc
 
@@ -134,9 +134,19 @@ def unlink_prefix(prefix: str) -> int:
     bare = prefix.lstrip("/")
     n = 0
     for entry in _entries():
-        if entry.startswith(bare) or entry.startswith("sem." + bare):
+        if entry.startswith((bare, "sem." + bare)):
             n += _unlink_entry(entry)
     return n
+
+
+def _forget_parent_objects() -> None:
+    """In a forked child: what the parent created is the parent's to unlink, not ours."""
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    _created.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_objects)
 
 
 def cleanup() -> int:
@@ -174,17 +184,18 @@ def sweep() -> int:
 
 # --- clean-up at exit and on termination signals ----------------------------------------------
 
-_handlers_installed = False
+_atexit_installed = False
+_signals_installed = False
 
 
 def _install_handlers() -> None:
-    global _handlers_installed
-    if _handlers_installed:
-        return
-    _handlers_installed = True
-    atexit.register(cleanup)
-    if threading.current_thread() is not threading.main_thread():
-        return
+    global _atexit_installed, _signals_installed
+    if not _atexit_installed:
+        _atexit_installed = True
+        atexit.register(cleanup)
+    if _signals_installed or threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread: the next call from it will
+    _signals_installed = True
     for signum in (signal.SIGTERM, signal.SIGHUP):
         previous = signal.getsignal(signum)
         if previous in (signal.SIG_DFL, None):

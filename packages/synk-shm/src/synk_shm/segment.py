@@ -26,7 +26,7 @@ from numpy.typing import DTypeLike
 
 from synk_shm import naming
 
-__all__ = ["SharedArray", "SharedMemoryFullError", "shm_free_bytes", "format_bytes"]
+__all__ = ["SharedArray", "SharedMemoryFullError", "shm_free_bytes", "format_bytes", "check_dtype"]
 
 
 class SharedMemoryFullError(MemoryError):
@@ -37,6 +37,16 @@ def shm_free_bytes() -> int:
     """Bytes free in ``/dev/shm`` for this user."""
     st = os.statvfs(naming.SHM_DIR)
     return st.f_bavail * st.f_frsize
+
+
+def check_dtype(dtype: DTypeLike) -> np.dtype[Any]:
+    """``numpy.dtype(dtype)``, refusing Python objects: their pointers mean nothing in another
+    process."""
+    dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise TypeError(f"dtype {dt} holds Python objects, which cannot live in shared memory: use a "
+                        "numeric, bool, fixed-width string ('U10', 'S10') or structured dtype")
+    return dt
 
 
 def format_bytes(n: float) -> str:
@@ -75,6 +85,9 @@ class SharedArray:
         The view of the segment with the shape and dtype given at creation or attachment.
     owner : bool
         True in the process that created the segment (the one that unlinks it).
+    pid : int
+        The process that created or attached this mapping; a child forked later inherits the
+        object but not the duty to unlink it.
 
     Examples
     --------
@@ -91,6 +104,7 @@ class SharedArray:
         self.name = name
         self.capacity = capacity
         self.owner = owner
+        self.pid = os.getpid()
         self._mmap = mm
         self.array: np.ndarray = self.view(shape, dtype)
 
@@ -115,9 +129,11 @@ class SharedArray:
         ------
         SharedMemoryFullError
             If ``/dev/shm`` has less free room than ``capacity``.
+        TypeError
+            If the dtype holds Python objects (:func:`check_dtype`).
         """
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        dt = np.dtype(dtype)
+        dt = check_dtype(dtype)
         need = math.prod(shape) * dt.itemsize
         capacity = max(need, capacity or 0, 1)  # a segment cannot be empty
         if capacity > shm_free_bytes():
@@ -140,7 +156,12 @@ class SharedArray:
             raise
         finally:
             shm.close_fd()
-        return cls(name, mm, capacity, True, shape, dt)
+        try:
+            return cls(name, mm, capacity, True, shape, dt)
+        except BaseException:  # a view that numpy refuses: leave no segment behind
+            mm.close()
+            naming.unlink_name(name)
+            raise
 
     @classmethod
     def attach(cls, name: str, shape: tuple[int, ...] | int, dtype: DTypeLike) -> SharedArray:
