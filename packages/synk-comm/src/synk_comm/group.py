@@ -54,6 +54,7 @@ from synk_comm.lockstep import (
     MAILBOX,
     OK,
     PAYLOAD_NBYTES,
+    SPIN_S,
     ControlBlock,
     Semaphores,
     wait,
@@ -133,6 +134,7 @@ class Group:
         self.host = ShmCollectives(self)
         self.workers = [r for r in range(size) if r != master_rank]
         self._master_pid = os.getpid() if create else int(os.environ.get("SYNK_MASTER_PID", "0"))
+        self._spin = SPIN_S if size <= len(os.sched_getaffinity(0)) else 0.0
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
@@ -183,17 +185,18 @@ class Group:
     # -- lock-step ------------------------------------------------------------------------------
     def barrier(self) -> None:
         """Wait until every rank reaches its barrier (coordinated by the master rank)."""
+        self._require_usable()
         if self.size == 1:
             return
         sems = self.sems
         if self.is_master:
             for _ in self.workers:
-                wait(sems.arrive, self._check, what="the other ranks at a barrier")
+                wait(sems.arrive, self._check, what="the other ranks at a barrier", spin=self._spin)
             for r in self.workers:
                 sems.release[r].release()
         else:
             sems.arrive.release()
-            wait(sems.release[self.rank], self._check, what="the master at a barrier")
+            wait(sems.release[self.rank], self._check, what="the master at a barrier", spin=self._spin)
 
     @contextlib.contextmanager
     def command(self, name: str, payload: Any = None) -> Iterator[None]:
@@ -249,9 +252,8 @@ class Group:
     def run(self, name: str, payload: Any = None) -> Any:
         """Run handler ``name`` in every rank (master included); returns the master's result."""
         self._require_master()
-        fn = HANDLERS[name]
-        with self.command(name, payload):
-            return fn(self, payload)
+        with self.command(name, payload):  # raises ValueError for an unknown name
+            return HANDLERS[name](self, payload)
 
     def _collect(self) -> None:
         def check() -> None:
@@ -259,7 +261,7 @@ class Group:
 
         while self._pending > 0:
             try:
-                wait(self.sems.done, check, what="the workers to finish")
+                wait(self.sems.done, check, what="the workers to finish", spin=self._spin)
             except KeyboardInterrupt:
                 self.control.header[ABORT] = self.rank + 1
                 raise
@@ -326,7 +328,7 @@ class Group:
                 _master_gone(self.prefix)
 
         while True:
-            wait(self.sems.go[self.rank], check_master)
+            wait(self.sems.go[self.rank], check_master, spin=self._spin)
             cmd = int(header[CMD])
             if cmd == EXIT:
                 return
@@ -352,6 +354,7 @@ class Group:
 
     # -- collectives (numpy arrays through shared memory; CUDA arrays through NCCL) -------------
     def _backend(self, array: Any) -> Any:
+        self._require_usable()  # a closed group's buffers and semaphores are gone
         if array is not None and not isinstance(array, np.ndarray) and _is_cuda_array(array):
             if self._nccl is None:
                 from synk_comm.nccl import NcclCollectives
@@ -395,10 +398,12 @@ class Group:
 
     def broadcast_object(self, obj: object = None, *, root: int | None = None) -> object:
         """Every rank returns ``root``'s picklable object."""
+        self._require_usable()
         return self.host.broadcast_object(obj, root=self.master_rank if root is None else root)
 
     def gather_object(self, obj: object, *, root: int | None = None) -> list[object] | None:
         """``root`` returns every rank's picklable object in rank order; others None."""
+        self._require_usable()
         return self.host.gather_object(obj, root=self.master_rank if root is None else root)
 
     @property

@@ -111,18 +111,20 @@ class Semaphores:
 
 SPIN_S = float(os.environ.get("SYNK_SPIN_US", "200")) * 1e-6
 """Seconds a wait polls before it sleeps: waking a sleeping process costs tens of microseconds
-on virtual machines, far more than the barrier itself (``SYNK_SPIN_US`` sets it; 0 never spins)."""
+on virtual machines, far more than the barrier itself (``SYNK_SPIN_US`` sets it; 0 never spins).
+Groups with more ranks than cores never spin (a spinning rank would hold the core of the rank it
+waits for)."""
 
 
 def wait(sem: posix_ipc.Semaphore, check: Callable[[], None], timeout: float | None = None,
-         what: str = "") -> None:
+         what: str = "", spin: float = SPIN_S) -> None:
     """Take ``sem``, calling ``check()`` every :data:`POLL_S` seconds while it is not available.
 
     ``check`` raises to stop waiting (a dead peer, an abort).  ``timeout`` (seconds) bounds the
-    whole wait with a TimeoutError.  The first :data:`SPIN_S` seconds poll without sleeping.
+    whole wait with a TimeoutError.  The first ``spin`` seconds poll without sleeping.
     """
-    if SPIN_S > 0:
-        spin_end = time.perf_counter() + SPIN_S
+    if spin > 0:
+        spin_end = time.perf_counter() + spin
         while True:
             if sem.value > 0:
                 try:

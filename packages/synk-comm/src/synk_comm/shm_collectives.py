@@ -137,9 +137,13 @@ class ShmCollectives(Collectives):
         self.group.barrier()
         if out is None:
             out = np.empty_like(a)
-        of = out.reshape(-1)
+        # reshape(-1) of a non-contiguous ``out`` would be a copy: gather into a temporary then
+        dest = out if out.flags.c_contiguous else np.empty_like(a)
+        of = dest.reshape(-1)
         for r, (lo, hi) in enumerate(spans):
             of[lo:hi] = views[r].reshape(-1)[lo:hi]
+        if dest is not out:
+            out[...] = dest
         return out
 
     def gather(self, array: np.ndarray, *, root: int = 0) -> list[np.ndarray] | None:
@@ -148,6 +152,15 @@ class ShmCollectives(Collectives):
         if self.rank != root:
             return None
         return [v.copy() for v in self._peers(k)]
+
+    def gather_arrays(self, arrays: Sequence[np.ndarray], *, root: int = 0) -> list[list[np.ndarray]] | None:
+        """``root`` returns, per rank, a copy of the list of arrays that rank gave (any number, any
+        shapes: one exchange for many small arrays); the others return None."""
+        self._check_root(root)
+        k = self._exchange([np.asarray(a) for a in arrays])
+        if self.rank != root:
+            return None
+        return [[v.copy() for v in self.group.buffers.read(r, k)] for r in range(self.size)]
 
     def all_gather(self, array: np.ndarray) -> list[np.ndarray]:
         k = self._exchange([np.asarray(array)])

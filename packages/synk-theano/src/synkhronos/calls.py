@@ -1,0 +1,193 @@
+"""One call of a Synkhronos function: the master plans it, every rank runs its share.
+
+The plan travels through the group's shared int64 scratch slots -- no pickling on the hot path:
+
+====================  ==========================================================================
+``fid``               which function
+``num_slices``        slices per rank
+``batch kind``        0: rows ``start + [p0, p1)`` of each scattered input; 1: rows
+                      ``index[p0:p1]`` (the master wrote the batch indices into the shared index
+                      buffer; each rank gathers its own rows straight from the Data)
+``positions``         per rank ``(p0, p1)``: its positions in the batch (even split, the first
+                      ``total % n`` ranks one more).  A minibatch Data reads rows ``[p0, p1)``.
+``batch_s kind``      0: none; 1: per rank ``(start, stop, step)`` of its sliceable shareds
+                      (bounds normalised in the rank, by its own length); 2: per rank
+                      ``(offset, length, 0)`` into the shared index buffer
+``data ids``          the Data arguments, inputs then broadcast inputs
+``subset``            output indices, or none for all
+====================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from synkhronos.replica import Replica
+from synkhronos.runtime import Runtime
+
+__all__ = ["CallPlan", "encode", "decode", "execute"]
+
+NONE = np.iinfo(np.int64).min
+"""Stands for ``None`` in a slice bound."""
+HEADER = 8
+
+
+@dataclass
+class CallPlan:
+    fid: int
+    num_slices: int
+    batch_kind: int
+    batch_start: int
+    data_ids: list[int]
+    subset: tuple[int, ...] | None
+    positions: np.ndarray  # (size, 2)
+    bs_kind: int = 0
+    bs: np.ndarray | None = None  # (size, 3)
+    index_did: int = -1  # the shared index buffer holding batch / batch_s indices
+
+    @staticmethod
+    def length(n_data: int, n_subset: int, size: int) -> int:
+        return HEADER + n_data + n_subset + 5 * size
+
+
+def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
+    """Write ``plan`` into the scratch slots (the caller checked that it fits)."""
+    n_data = len(plan.data_ids)
+    n_sub = -1 if plan.subset is None else len(plan.subset)
+    scratch[:8] = (plan.fid, plan.num_slices, plan.batch_kind, plan.batch_start, plan.bs_kind, n_data, n_sub,
+                   plan.index_did)
+    i = HEADER
+    scratch[i:i + n_data] = plan.data_ids
+    i += n_data
+    if plan.subset is not None:
+        scratch[i:i + n_sub] = plan.subset
+        i += n_sub
+    scratch[i:i + 2 * size] = plan.positions.reshape(-1)
+    i += 2 * size
+    if plan.bs_kind:
+        assert plan.bs is not None
+        scratch[i:i + 3 * size] = plan.bs.reshape(-1)
+
+
+def decode(scratch: np.ndarray, size: int) -> CallPlan:
+    """Read the plan that :func:`encode` wrote."""
+    fid, num_slices, batch_kind, batch_start, bs_kind, n_data, n_sub, index_did = (int(v) for v in scratch[:8])
+    i = HEADER
+    data_ids = scratch[i:i + n_data].tolist()
+    i += n_data
+    subset = None
+    if n_sub >= 0:
+        subset = tuple(scratch[i:i + n_sub].tolist())
+        i += n_sub
+    positions = scratch[i:i + 2 * size].reshape(size, 2).copy()
+    i += 2 * size
+    bs = scratch[i:i + 3 * size].reshape(size, 3).copy() if bs_kind else None
+    return CallPlan(fid, num_slices, batch_kind, batch_start, data_ids, subset, positions, bs_kind, bs,
+                    index_did)
+
+
+def _sliceable_rows(rt: Runtime, rep: Replica, plan: CallPlan) -> tuple[list[Any] | None, int | None]:
+    """This rank's row selection of each sliceable shared (None without batch_s) and its row count."""
+    spec = rep.spec
+    if not spec.sliceable:
+        return ([] if plan.num_slices > 1 else None), None
+    device = rt.device
+    lengths = [device.length(var) for var in spec.sliceable]
+    if plan.bs_kind == 0:
+        if plan.num_slices == 1:  # every row, in one pass: the weight is the rows this rank holds
+            return None, lengths[0]
+        if len(set(lengths)) > 1:
+            names = ", ".join(f"{v.name or v}: {n}" for v, n in zip(spec.sliceable, lengths))
+            raise ValueError(f"rank {rt.rank}: the sliceable shared variables have different lengths "
+                             f"({names}); pass batch_s= to select the same number of rows from each")
+        return [slice(0, n, 1) for n in lengths], lengths[0]
+    assert plan.bs is not None
+    a, b, c = (int(v) for v in plan.bs[rt.rank])
+    if plan.bs_kind == 1:
+        sel = slice(None if a == NONE else a, None if b == NONE else b, None if c == NONE else c)
+        rows: list[Any] = [slice(*sel.indices(n)) for n in lengths]
+        counts = [len(range(r.start, r.stop, r.step)) for r in rows]
+    else:
+        idx = _indices(rt, plan)[a:a + b]
+        for var, n in zip(spec.sliceable, lengths):
+            if len(idx) and (idx.max() >= n or idx.min() < -n):
+                raise IndexError(f"rank {rt.rank}: batch_s index out of range for {var.name or var} "
+                                 f"of length {n}")
+        rows = [idx] * len(lengths)
+        counts = [len(idx)] * len(lengths)
+    return rows, counts[0]
+
+
+def _indices(rt: Runtime, plan: CallPlan) -> np.ndarray:
+    values = rt.data[plan.index_did].data
+    assert values is not None
+    return values
+
+
+def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[np.ndarray]]:
+    """Run this rank's share of a call; returns (weight, outputs combined over its slices)."""
+    rep = rt.replicas[plan.fid]
+    spec = rep.spec
+    datas = [rt.data[d] for d in plan.data_ids]
+    n_in = len(spec.inputs)
+    p0, p1 = (int(v) for v in plan.positions[rt.rank])
+    scattered: list[np.ndarray] = []
+    if n_in:
+        index = None
+        if plan.batch_kind == 1:
+            index = _indices(rt, plan)[p0:p1]
+        start = plan.batch_start
+        for d in datas[:n_in]:
+            arr = d.data
+            assert arr is not None
+            if d.minibatch:
+                scattered.append(arr[p0:p1])
+            elif index is None:
+                scattered.append(arr[start + p0:start + p1])
+            else:
+                scattered.append(arr[index])
+    bcast = [d.data for d in datas[n_in:]]
+    sliceable_rows, s_rows = _sliceable_rows(rt, rep, plan)
+    if n_in:
+        n_rows = p1 - p0
+        if s_rows is not None and s_rows != n_rows and (plan.num_slices > 1 or plan.bs_kind):
+            raise ValueError(f"rank {rt.rank}: {n_rows} scattered rows but {s_rows} rows of the sliceable "
+                             "shared variables; under num_slices/batch_s they must match in every rank")
+        weight = float(n_rows)
+    elif s_rows is not None:
+        n_rows = s_rows
+        weight = float(n_rows)
+    else:
+        n_rows, weight = 1, 1.0
+    if weight == 0:
+        return 0.0, []
+    outputs = rep.run(scattered, bcast, sliceable_rows, plan.subset, plan.num_slices, n_rows)
+    return weight, outputs
+
+
+def share(rt: Runtime, plan: CallPlan) -> list[list[np.ndarray]] | None:
+    """Execute this rank's share and send it to the master (the master gets every rank's)."""
+    weight, outputs = execute(rt, plan)
+    return rt.group.host.gather_arrays([np.array(weight), *(np.asarray(o) for o in outputs)])
+
+
+def normalise_positions(total: int, size: int) -> np.ndarray:
+    """Even split of ``total`` rows over ``size`` ranks: per rank ``(p0, p1)``."""
+    base, extra = divmod(total, size)
+    counts = np.array([base + (r < extra) for r in range(size)], dtype=np.int64)
+    ends = np.cumsum(counts)
+    return np.stack([ends - counts, ends], axis=1)
+
+
+def as_index_array(batch: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+    """A 1-d int64 index array from a list or array; TypeError for floats, bools or 2-d."""
+    arr = np.asarray(batch)
+    if arr.ndim != 1:
+        raise TypeError(f"{what} indices must be 1-d, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} indices must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)

@@ -1,0 +1,351 @@
+"""Collectives on shared variables: every rank's copy of a shared variable, moved and combined.
+
+=============================================  =================================================
+``broadcast(vars, values=None)``               every rank gets the master's value (or ``values``)
+``scatter(vars, values, batch=None)``          rank ``r`` gets part ``r`` of each value (axis 0,
+                                               as even as possible)
+``gather(vars, nd_up=1)``                      the master gets every rank's value: stacked on a
+                                               new axis 0 (``nd_up=1``) or concatenated on axis
+                                               0 (``nd_up=0``, the form for unequal shapes)
+``all_gather(vars)``                           every rank's value becomes the concatenation
+``reduce(vars, op="avg", in_place=True)``      the master gets ``op`` over the ranks' values
+``all_reduce(vars, op="avg")``                 every rank's value becomes ``op`` over all ranks'
+``set_value(rank, vars, values, batch=None)``  one rank's value is set
+``get_value(rank, vars)``                      one rank's value is read
+``get_lengths(vars)``, ``get_shapes(vars)``    every rank's length / shape, in rank order
+=============================================  =================================================
+
+``vars`` is one shared variable or a list; one variable gives one result, a list a tuple.  Values
+may be :class:`~synk_shm.Data` (every rank then reads its part straight from shared memory: the
+master copies nothing) or numpy arrays.  Every check happens in the master before any worker
+acts.  ``nccl=`` is accepted everywhere; in CPU mode it changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from synk_comm import Group, handler
+from synk_comm.ops import as_op
+from synk_shm import Data
+from synkhronos.calls import as_index_array, normalise_positions
+from synkhronos.data_registry import data_id
+from synkhronos.runtime import Runtime, describe, get_runtime
+
+__all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce", "set_value",
+           "get_value", "get_lengths", "get_shapes"]
+
+COLLECTIVE = "synkhronos.collective"
+
+
+# --- checks in the master -------------------------------------------------------------------------
+
+def _prepare(shared_vars: Any) -> tuple[Runtime, list[Any], list[int], bool]:
+    """(runtime, variables, shared ids, single) after every check on the variables."""
+    from pytensor.compile.sharedvalue import SharedVariable
+
+    from synkhronos.distribution import ensure_distributed
+
+    rt = get_runtime()
+    if not rt.is_master:
+        raise RuntimeError("collectives are called in the master")
+    single = not isinstance(shared_vars, (list, tuple))
+    variables = [shared_vars] if single else list(shared_vars)
+    if not variables:
+        raise ValueError("no shared variables given")
+    for var in variables:
+        if not isinstance(var, SharedVariable):
+            raise TypeError(f"collectives work on PyTensor shared variables, got {var!r}")
+    ensure_distributed(rt)
+    sids = []
+    for var in variables:
+        sid = rt.shared_ids.get(var)
+        if sid is None:
+            raise ValueError(f"shared variable {describe(var)} is not used by any synkhronos function, so the "
+                             "workers do not have it: use it in a synk.function first")
+        sids.append(sid)
+    return rt, variables, sids, single
+
+
+def _values(rt: Runtime, variables: list[Any], values: Any, what: str) -> list[Any]:
+    """Check and encode values (Data -> its data id; numpy -> the array, cast safely)."""
+    listed = list(values) if isinstance(values, (list, tuple)) else [values]
+    if len(listed) != len(variables):
+        raise ValueError(f"{what}: {len(variables)} shared variable(s) but {len(listed)} value(s)")
+    out: list[Any] = []
+    for var, value in zip(variables, listed):
+        dtype = np.dtype(var.type.dtype)
+        if isinstance(value, Data):
+            if not value.allocated:
+                raise ValueError(f"{what}: the Data for {describe(var)} holds no memory (freed or never filled)")
+            arr_dtype, arr_ndim = value.dtype, value.ndim
+        else:
+            value = np.asarray(value)
+            arr_dtype, arr_ndim = value.dtype, value.ndim
+        if arr_ndim != var.type.ndim:
+            raise TypeError(f"{what}: {describe(var)} has ndim {var.type.ndim}, the value has ndim {arr_ndim}")
+        if arr_dtype != dtype and not np.can_cast(arr_dtype, dtype, "safe"):
+            raise TypeError(f"{what}: {describe(var)} has dtype {dtype}; a {arr_dtype} value cannot be cast "
+                            f"safely: cast it first (value.astype('{dtype}'))")
+        out.append(("data", data_id(rt, value)) if isinstance(value, Data) else ("array", value.astype(dtype)))
+    return out
+
+
+def _rows(batch: Any, length: int) -> Any:
+    """A batch (None, int, slice, indices) as a slice or an index array over ``length`` rows."""
+    if batch is None:
+        return slice(0, length)
+    if isinstance(batch, (int, np.integer)) and not isinstance(batch, bool):
+        if not 0 <= batch <= length:
+            raise ValueError(f"batch={batch} outside [0, {length}]")
+        return slice(0, int(batch))
+    if isinstance(batch, slice):
+        return slice(*batch.indices(length))
+    idx = as_index_array(batch, "batch")
+    if len(idx) and (idx.max() >= length or idx.min() < -length):
+        raise ValueError(f"batch indices out of range for a value of length {length}")
+    return idx
+
+
+def _length(rt: Runtime, encoded: tuple[str, Any]) -> int:
+    kind, value = encoded
+    return len(rt.data[value]) if kind == "data" else len(value)
+
+
+def _run(rt: Runtime, name: str, **payload: Any) -> Any:
+    return rt.group.run(COLLECTIVE, (name, payload))
+
+
+def _result(values: Sequence[Any], single: bool) -> Any:
+    return values[0] if single else tuple(values)
+
+
+# --- the collectives ---------------------------------------------------------------------------
+
+def broadcast(shared_vars: Any, values: Any = None, nccl: bool = True) -> None:
+    """Every rank's value becomes the master's (or the given ``values``: Data or numpy, one per
+    variable)."""
+    rt, variables, sids, _ = _prepare(shared_vars)
+    encoded = None if values is None else _values(rt, variables, values, "broadcast")
+    _run(rt, "broadcast", sids=sids, values=encoded)
+
+
+def scatter(shared_vars: Any, values: Any, batch: Any = None) -> None:
+    """Rank ``r`` gets part ``r`` of each value (rows of ``batch`` only), split along axis 0 as
+    evenly as possible (the first ranks get one row more)."""
+    rt, variables, sids, _ = _prepare(shared_vars)
+    encoded = _values(rt, variables, values, "scatter")
+    for var in variables:
+        if var.type.ndim < 1:
+            raise ValueError(f"scatter: {describe(var)} is 0-d; it has no rows to split")
+    lengths = {_length(rt, e) for e in encoded}
+    if len(lengths) > 1 and batch is None:
+        raise ValueError(f"scatter: values of different lengths {sorted(lengths)}; pass batch= to select rows")
+    rows = [_rows(batch, _length(rt, e)) for e in encoded]
+    _run(rt, "scatter", sids=sids, values=encoded, rows=rows)
+
+
+def gather(shared_vars: Any, nd_up: int = 1, nccl: bool = True) -> Any:
+    """Every rank's value, in rank order: stacked on a new axis 0 (``nd_up=1``) or concatenated on
+    axis 0 (``nd_up=0``).  Values are unchanged.
+
+    Raises
+    ------
+    ValueError
+        For ``nd_up`` not 0 or 1, or ranks holding different shapes under ``nd_up=1``.
+    """
+    rt, variables, sids, single = _prepare(shared_vars)
+    if nd_up not in (0, 1):
+        raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
+    if nd_up == 0:
+        for var in variables:
+            if var.type.ndim < 1:
+                raise ValueError(f"gather(nd_up=0): {describe(var)} is 0-d and cannot be concatenated")
+    per_rank = _run(rt, "gather", sids=sids)
+    out = []
+    for i, var in enumerate(variables):
+        parts = [rank_values[i] for rank_values in per_rank]
+        if nd_up == 1:
+            shapes = [p.shape for p in parts]
+            if len(set(shapes)) > 1:
+                raise ValueError(f"gather(nd_up=1): {describe(var)} has different shapes in the ranks {shapes}; "
+                                 "use nd_up=0 to concatenate them")
+            out.append(np.stack(parts))
+        else:
+            out.append(np.concatenate(parts, axis=0))
+    return _result(out, single)
+
+
+def all_gather(shared_vars: Any, nccl: bool = True) -> None:
+    """Every rank's value becomes the concatenation (axis 0, rank order) of all ranks' values."""
+    rt, variables, sids, _ = _prepare(shared_vars)
+    for var in variables:
+        if var.type.ndim < 1:
+            raise ValueError(f"all_gather: {describe(var)} is 0-d and cannot be concatenated")
+    _run(rt, "all_gather", sids=sids)
+
+
+def reduce(shared_vars: Any, op: str = "avg", in_place: bool = True, nccl: bool = True) -> Any:
+    """``op`` over every rank's value, into the master's value (``in_place``) or returned.
+
+    Workers' values are unchanged.  ``op``: avg, sum, prod, max, min.
+    """
+    rt, variables, sids, single = _prepare(shared_vars)
+    for var in variables:
+        as_op(op, var.type.dtype)
+    results = _run(rt, "reduce", sids=sids, op=op, in_place=in_place)
+    return None if in_place else _result(results, single)
+
+
+def all_reduce(shared_vars: Any, op: str = "avg", nccl: bool = True) -> None:
+    """Every rank's value becomes ``op`` over all ranks' values (avg, sum, prod, max, min)."""
+    rt, variables, sids, _ = _prepare(shared_vars)
+    for var in variables:
+        as_op(op, var.type.dtype)
+    _run(rt, "all_reduce", sids=sids, op=op)
+
+
+def set_value(rank: int, shared_vars: Any, values: Any, batch: Any = None) -> None:
+    """Set the value(s) in one rank (rows of ``batch`` of each value)."""
+    rt, variables, sids, _ = _prepare(shared_vars)
+    _check_rank(rt, rank)
+    encoded = _values(rt, variables, values, "set_value")
+    rows = [_rows(batch, _length(rt, e)) if var.type.ndim else slice(None)
+            for var, e in zip(variables, encoded)]
+    _run(rt, "set_value", sids=sids, values=encoded, rows=rows, target=int(rank))
+
+
+def get_value(rank: int, shared_vars: Any) -> Any:
+    """The value(s) in one rank."""
+    rt, _, sids, single = _prepare(shared_vars)
+    _check_rank(rt, rank)
+    return _result(_run(rt, "get_value", sids=sids, target=int(rank)), single)
+
+
+def get_lengths(shared_vars: Any) -> Any:
+    """Each variable's length in every rank (a list in rank order)."""
+    shapes = get_shapes(shared_vars)
+    per_var = [shapes] if not isinstance(shared_vars, (list, tuple)) else list(shapes)
+    lengths = [[s[0] if s else 1 for s in var_shapes] for var_shapes in per_var]
+    return lengths[0] if not isinstance(shared_vars, (list, tuple)) else tuple(lengths)
+
+
+def get_shapes(shared_vars: Any) -> Any:
+    """Each variable's shape in every rank (a list in rank order)."""
+    rt, _, sids, single = _prepare(shared_vars)
+    return _result(_run(rt, "get_shapes", sids=sids), single)
+
+
+def _check_rank(rt: Runtime, rank: Any) -> None:
+    if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < rt.size:
+        raise ValueError(f"rank must be an int in [0, {rt.size}), got {rank!r}")
+
+
+# --- what every rank does ----------------------------------------------------------------------
+
+def _decode(rt: Runtime, encoded: tuple[str, Any]) -> np.ndarray:
+    kind, value = encoded
+    if kind == "data":
+        arr = rt.data[value].data
+        assert arr is not None
+        return arr
+    return value
+
+
+@handler(COLLECTIVE)
+def _collective(group: Group, payload: tuple[str, dict[str, Any]]) -> Any:
+    from synkhronos.worker import runtime
+
+    rt = runtime(group)
+    name, args = payload
+    variables = [rt.shared[sid] for sid in args["sids"]]
+    return _LOCAL[name](rt, variables, **{k: v for k, v in args.items() if k != "sids"})
+
+
+def _broadcast(rt: Runtime, variables: list[Any], values: list[Any] | None) -> None:
+    host, device = rt.group, rt.device
+    for i, var in enumerate(variables):
+        if values is not None and values[i][0] == "data":
+            device.set(var, _decode(rt, values[i]))
+            continue
+        source = (device.get(var) if values is None else values[i][1]) if rt.is_master else None
+        device.set(var, host.broadcast(source))
+
+
+def _scatter(rt: Runtime, variables: list[Any], values: list[Any], rows: list[Any]) -> None:
+    host, device = rt.group, rt.device
+    for var, encoded, sel in zip(variables, values, rows):
+        n = len(range(sel.start, sel.stop, sel.step or 1)) if isinstance(sel, slice) else len(sel)
+        p0, p1 = (int(v) for v in normalise_positions(n, rt.size)[rt.rank])
+        if encoded[0] == "data":
+            source = _decode(rt, encoded)
+            device.set(var, source[sel][p0:p1] if isinstance(sel, slice) else source[sel[p0:p1]])
+        else:
+            parts = None
+            if rt.is_master:
+                selected = encoded[1][sel]
+                bounds = normalise_positions(n, rt.size)
+                parts = [selected[a:b] for a, b in bounds]
+            device.set(var, host.scatter(parts))
+
+
+def _gather(rt: Runtime, variables: list[Any]) -> Any:
+    per_rank = rt.group.host.gather_arrays([rt.device.get(var) for var in variables])
+    return per_rank
+
+
+def _all_gather(rt: Runtime, variables: list[Any]) -> None:
+    for var in variables:
+        parts = rt.group.all_gather(rt.device.get(var))
+        rt.device.set(var, np.concatenate(parts, axis=0))
+
+
+def _reduce(rt: Runtime, variables: list[Any], op: str, in_place: bool) -> list[Any] | None:
+    results = []
+    for var in variables:
+        result = rt.group.reduce(rt.device.get(var), op)
+        if rt.is_master:
+            assert result is not None
+            if in_place:
+                rt.device.set(var, result)
+            results.append(result)
+    return results if rt.is_master else None
+
+
+def _all_reduce(rt: Runtime, variables: list[Any], op: str) -> None:
+    for var in variables:
+        rt.device.set(var, rt.group.all_reduce(rt.device.get(var), op))
+
+
+def _set_value(rt: Runtime, variables: list[Any], values: list[Any], rows: list[Any], target: int) -> None:
+    host, device = rt.group, rt.device
+    for var, encoded, sel in zip(variables, values, rows):
+        if encoded[0] == "data":
+            if rt.rank == target:
+                device.set(var, _decode(rt, encoded)[sel])
+            continue
+        value = host.broadcast(encoded[1][sel] if rt.is_master else None)
+        if rt.rank == target:
+            device.set(var, value)
+
+
+def _get_value(rt: Runtime, variables: list[Any], target: int) -> list[Any] | None:
+    mine = [rt.device.get(var) for var in variables] if rt.rank == target else []
+    per_rank = rt.group.host.gather_arrays(mine)
+    return None if per_rank is None else per_rank[target]
+
+
+def _get_shapes(rt: Runtime, variables: list[Any]) -> list[list[tuple[int, ...]]] | None:
+    shapes = [tuple(rt.device.get(var).shape) for var in variables]
+    per_rank = rt.group.gather_object(shapes)
+    if per_rank is None:
+        return None
+    return [[tuple(rank_shapes[i]) for rank_shapes in per_rank] for i in range(len(variables))]  # type: ignore[index]
+
+
+_LOCAL: dict[str, Callable[..., Any]] = {"broadcast": _broadcast, "scatter": _scatter, "gather": _gather, "all_gather": _all_gather,
+          "reduce": _reduce, "all_reduce": _all_reduce, "set_value": _set_value, "get_value": _get_value,
+          "get_shapes": _get_shapes}

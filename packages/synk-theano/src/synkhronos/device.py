@@ -1,0 +1,72 @@
+"""Where a rank keeps shared-variable values and how it compiles: the CPU template.
+
+A :class:`Device` answers the few questions that differ between CPU mode and GPU mode:
+how to compile (``mode``), how to read a shared variable's value to host memory, how to set it
+from host memory, and how to turn an input array into what the compiled function takes.  CPU
+mode keeps values as numpy arrays in the variables' own containers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
+
+__all__ = ["Device", "CpuDevice"]
+
+
+class Device:
+    """Template; see :class:`CpuDevice`."""
+
+    kind = "abstract"
+    use_gpu = False
+
+    def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments for ``pytensor.function`` in this mode."""
+        raise NotImplementedError
+
+    def get(self, var: SharedVariable) -> np.ndarray:
+        """The variable's value in this rank, as a numpy array (no copy where possible)."""
+        raise NotImplementedError
+
+    def set(self, var: SharedVariable, value: np.ndarray) -> None:
+        """Set the variable's value in this rank from host memory (copies ``value``)."""
+        raise NotImplementedError
+
+    def take(self, var: SharedVariable, rows: Any) -> Any:
+        """``value[rows]`` of a sliceable shared variable, as the compiled function's input."""
+        raise NotImplementedError
+
+    def length(self, var: SharedVariable) -> int:
+        raise NotImplementedError
+
+    def put_update(self, var: SharedVariable, value: Any) -> None:
+        """Store a value computed by a compiled function (already in this device's memory)."""
+        raise NotImplementedError
+
+
+class CpuDevice(Device):
+    """CPU mode: numpy values in the shared variables' containers, PyTensor's configured mode."""
+
+    kind = "cpu"
+
+    def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return dict(kwargs)
+
+    def get(self, var: SharedVariable) -> np.ndarray:
+        return np.asarray(var.get_value(borrow=True))
+
+    def set(self, var: SharedVariable, value: np.ndarray) -> None:
+        var.set_value(np.array(value, dtype=var.type.dtype, copy=True), borrow=True)
+
+    def take(self, var: SharedVariable, rows: Any) -> Any:
+        return var.get_value(borrow=True)[rows]
+
+    def length(self, var: SharedVariable) -> int:
+        return len(var.get_value(borrow=True))
+
+    def put_update(self, var: SharedVariable, value: Any) -> None:
+        var.set_value(value, borrow=True)

@@ -1,0 +1,154 @@
+"""``fork()`` and ``close()``: start and stop the ranks of a Synkhronos run.
+
+The master is rank ``master_rank``; every other rank is a fresh interpreter started by
+:func:`synk_comm.start` from ``synk_comm``'s entry module (never a fork of the master, never a
+re-run of its ``__main__``: scripts without a main guard work).  Each worker gets, at launch, the
+master's PyTensor configuration (``PYTENSOR_FLAGS``: floatX, mode, linker, optimizer, compile
+directory -- so it reuses the master's compile cache) and, in CPU mode, a share of the cores for
+its BLAS/Numba threads so that n ranks do not oversubscribe the machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import synk_comm
+from synkhronos.device import CpuDevice
+from synkhronos.runtime import Runtime, current, set_current
+
+__all__ = ["fork", "close"]
+
+log = logging.getLogger("synkhronos")
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def _pytensor_flags() -> str:
+    """The master's PyTensor configuration as a PYTENSOR_FLAGS string for the workers."""
+    import pytensor
+
+    cfg = pytensor.config
+    flags = [f"floatX={cfg.floatX}", f"base_compiledir={cfg.base_compiledir}"]
+    for key in ("mode", "linker", "optimizer", "optimizer_including", "optimizer_excluding"):
+        value = getattr(cfg, key, None)
+        if value not in (None, ""):
+            flags.append(f"{key}={value}")
+    inherited = os.environ.get("PYTENSOR_FLAGS", "")
+    return ",".join(filter(None, [inherited, *flags]))
+
+
+def gpu_count() -> int:
+    """GPUs visible to this process (0 without NVIDIA's driver)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+        if not os.path.isdir("/proc/driver/nvidia/gpus"):
+            return 0
+        return len(entries)
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank: int = 0,
+         profile_workers: bool = False, max_n_var: int = 1000, max_dim: int = 16) -> int:
+    """Start the ranks: the master (this process) and ``n_parallel - 1`` workers.
+
+    Parameters
+    ----------
+    n_parallel : int, optional
+        Ranks, the master included.  Default: every GPU (GPU mode), or every core in
+        ``os.sched_getaffinity(0)`` (CPU mode).
+    use_gpu : bool, optional
+        None: GPU mode on a machine with GPUs, else CPU mode.  False: CPU mode with
+        ``n_parallel`` worker processes.  True: GPU mode (an error without GPUs).
+    master_rank : int
+        The master's rank (in GPU mode, the index of its GPU), in ``[0, n_parallel)``.
+    profile_workers : bool
+        Write a cProfile file per worker (``synkhronos_worker_rank<r>.prof`` in the working
+        directory) when it exits.
+    max_n_var : int
+        Argument slots of a call (Data arguments and output indices): a call that needs more is
+        a ValueError that names this parameter.
+    max_dim : int
+        Kept for compatibility with Synkhronos 1.0 (shapes of any ndim are handled).
+
+    Returns
+    -------
+    int
+        The number of ranks.
+
+    Raises
+    ------
+    RuntimeError
+        If already forked (call close() first).
+    ValueError
+        For a bad ``n_parallel``/``master_rank``, or ``use_gpu=True`` without enough GPUs.
+    """
+    if current() is not None and not current().group.closed:  # type: ignore[union-attr]
+        raise RuntimeError("Synkhronos is already forked: call synk.close() before forking again")
+    n_gpus = gpu_count()
+    if use_gpu is None:
+        use_gpu = n_gpus > 0
+    if n_parallel is None:
+        n_parallel = n_gpus if use_gpu else len(os.sched_getaffinity(0))
+    if not isinstance(n_parallel, int) or n_parallel < 1:
+        raise ValueError(f"n_parallel must be an int >= 1, got {n_parallel!r}")
+    if not isinstance(master_rank, int) or not 0 <= master_rank < n_parallel:
+        raise ValueError(f"master_rank must be in [0, n_parallel={n_parallel}), got {master_rank!r}")
+    if max_n_var < 1:
+        raise ValueError(f"max_n_var must be >= 1, got {max_n_var}")
+    if max_dim < 1:
+        raise ValueError(f"max_dim must be >= 1, got {max_dim}")
+    if use_gpu:
+        if n_gpus == 0:
+            raise ValueError("use_gpu=True but this machine has no visible NVIDIA GPU; use use_gpu=False")
+        if n_parallel > n_gpus:
+            raise ValueError(f"n_parallel={n_parallel} but only {n_gpus} GPU(s) are visible")
+    t0 = time.perf_counter()
+    env: dict[str, Any] = {"PYTENSOR_FLAGS": _pytensor_flags(), "SYNK_USE_GPU": "1" if use_gpu else "0"}
+    devices = None
+    if use_gpu:
+        from synkhronos.gpu import prepare_master
+
+        devices = prepare_master(n_parallel, master_rank)
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        device = _gpu_device()
+    else:
+        threads = str(max(1, len(os.sched_getaffinity(0)) // n_parallel))
+        env.update({var: os.environ.get(var, threads) for var in THREAD_VARS})
+        device = CpuDevice()
+    if profile_workers:
+        env["SYNK_PROFILE_DIR"] = os.getcwd()
+    scratch = 16 + max_n_var + 8 * n_parallel
+    group = synk_comm.start(n_parallel, imports=["synkhronos.worker"], master_rank=master_rank,
+                            devices=devices, env=env, scratch_size=scratch)
+    set_current(Runtime(group, device))
+    log.info("synkhronos: %d ranks in %s mode (master rank %d%s) ready in %.2f s", n_parallel,
+             "GPU" if use_gpu else "CPU", master_rank, f", GPUs {devices}" if devices else "",
+             time.perf_counter() - t0)
+    return n_parallel
+
+
+def _gpu_device() -> Any:
+    from synkhronos.gpu import GpuDevice
+
+    return GpuDevice()
+
+
+def close() -> None:
+    """Stop the workers and free every shared-memory object of the run (idempotent; also at exit).
+
+    Data made by :func:`synkhronos.data` stay usable in the master; a later :func:`fork` knows
+    them again when they are next used.
+    """
+    rt = current()
+    if rt is None:
+        return
+    set_current(None)
+    rt.group.close()
+    log.info("synkhronos: closed")

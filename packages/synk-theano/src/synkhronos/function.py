@@ -1,0 +1,406 @@
+"""``synkhronos.function``: build a data-parallel function; :class:`Function`: call it.
+
+A call (all in the master, before any worker is told to act, so that a bad argument changes
+nothing anywhere):
+
+1. bind the Data arguments (inputs, then broadcast inputs; keywords by the variable's name) and
+   check their type (a :class:`~synk_shm.Data`, holding memory, of the input's dtype and ndim);
+2. turn ``batch`` into each rank's rows and ``batch_s`` into each rank's selection;
+3. write the plan into the shared scratch slots and start the call in every rank
+   (:mod:`synkhronos.calls`), the master computing its own share;
+4. combine the ranks' outputs by each output's op (:mod:`synkhronos.reduce_ops`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from synk_shm import Data
+from synkhronos import calls, data_registry
+from synkhronos.reduce_ops import combine
+from synkhronos.replica import Replica
+from synkhronos.runtime import Runtime, describe, get_runtime
+from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
+
+__all__ = ["Function", "function"]
+
+CALL = "synkhronos.call"
+
+
+class Function:
+    """A data-parallel PyTensor function (made by :func:`synkhronos.function`).
+
+    Call it as the PyTensor function, with :class:`~synk_shm.Data` arguments instead of numpy
+    arrays; see :meth:`__call__`.
+    """
+
+    def __init__(self, spec: FunctionSpec, replica: Replica) -> None:
+        self._spec = spec
+        self._replica = replica
+        self._by_name: dict[str, int] = {}
+        for i, var in enumerate(spec.all_inputs):
+            if var.name:
+                self._by_name.setdefault(var.name, i)
+
+    # -- attributes of the seed -----------------------------------------------------------------
+    @property
+    def name(self) -> str | None:
+        """As in PyTensor functions."""
+        return self._spec.name
+
+    @property
+    def output_modes(self) -> list[str | None]:
+        """The reduce op of each output (``None`` for gather)."""
+        return [None if op == "gather" else op for op in self._spec.output_ops]
+
+    @property
+    def update_modes(self) -> list[str]:
+        """The op that combines each update over slices (``num_slices`` > 1)."""
+        return list(self._spec.update_ops)
+
+    @property
+    def inputs(self) -> list[Any]:
+        return list(self._spec.inputs)
+
+    @property
+    def bcast_inputs(self) -> list[Any]:
+        return list(self._spec.bcast_inputs)
+
+    def __repr__(self) -> str:
+        return f"<synkhronos.Function {self.name or self._spec.fid}>"
+
+    # -- the call -------------------------------------------------------------------------------
+    def __call__(self, *args: Any, output_subset: Sequence[int] | None = None, batch: Any = None,
+                 batch_s: Any = None, num_slices: int = 1, **kwargs: Any) -> Any:
+        """Run on every rank and return the combined outputs.
+
+        Parameters
+        ----------
+        *args, **kwargs : Data
+            One per input, then one per broadcast input; keywords name the variable
+            (its ``.name``).  Scattered inputs split along axis 0, as evenly as possible;
+            broadcast inputs go whole to every rank.
+        output_subset : list of int, optional
+            Compute and return only these outputs, in this order.
+        batch : int, slice, list or 1-d int array, optional
+            Rows of the scattered inputs to use, selected before the split: an int ``k`` means
+            ``[:k]``.  For a list or array, each rank gathers its own rows straight from the Data.
+            A minibatch Data (``minibatch=True``) holds only the batch: position ``i`` of the
+            batch reads its row ``i``.
+        batch_s : slice, list or 1-d int array, or a list of those (one per rank), optional
+            Rows of each rank's sliceable shared variables, selected after the split.
+        num_slices : int, optional
+            Each rank computes its rows in this many slices (to save memory), combining outputs
+            and updates over the slices before the ranks combine theirs.
+
+        Returns
+        -------
+        An array for a single output, a list for a list of outputs (in ``output_subset`` order),
+        None when the function has no outputs.
+
+        Raises
+        ------
+        TypeError
+            Wrong number of arguments, a non-Data argument, or a Data of the wrong dtype/ndim;
+            a batch of floats or 2-d indices; a bad ``output_subset``.
+        ValueError
+            Inputs of different lengths without ``batch``; indices out of range; ``batch_s`` on a
+            function without sliceable shareds; ``num_slices`` < 1 or nothing to slice.
+        """
+        rt = get_runtime()
+        if not rt.is_master:
+            raise RuntimeError("synkhronos functions are called in the master only")
+        from synkhronos.distribution import ensure_distributed
+
+        ensure_distributed(rt)
+        datas = self._bind(args, kwargs)
+        subset = self._subset(output_subset)
+        plan = self._plan(rt, datas, subset, batch, batch_s, num_slices)
+        group = rt.group
+        length = calls.CallPlan.length(len(plan.data_ids), len(subset or ()), rt.size)
+        if length > len(group.scratch):
+            raise ValueError(f"this call needs {length} argument slots; fork(max_n_var=...) reserved "
+                             f"{len(group.scratch)}: fork with a larger max_n_var")
+        calls.encode(plan, group.scratch, rt.size)
+        with group.command(CALL):
+            shares = calls.share(rt, plan)
+        assert shares is not None
+        return self._combine(shares, subset)
+
+    def _combine(self, shares: list[list[np.ndarray]], subset: tuple[int, ...] | None) -> Any:
+        spec = self._spec
+        ops = spec.output_ops if subset is None else [spec.output_ops[i] for i in subset]
+        weights = [float(s[0]) for s in shares]
+        results = [combine(op, [s[1 + i] if len(s) > 1 else np.empty(0) for s in shares], weights)
+                   for i, op in enumerate(ops)]
+        if subset is None and spec.single_output:
+            return results[0]
+        if not ops:
+            return None
+        return results
+
+    # -- argument checks ------------------------------------------------------------------------
+    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Data]:
+        spec = self._spec
+        variables = spec.all_inputs
+        slots: list[Any] = [None] * len(variables)
+        if len(args) > len(variables):
+            raise TypeError(f"{self!r} takes {len(variables)} Data arguments ({len(spec.inputs)} inputs, "
+                            f"{len(spec.bcast_inputs)} broadcast inputs); got {len(args) + len(kwargs)}")
+        for i, a in enumerate(args):
+            slots[i] = a
+        for key, value in kwargs.items():
+            i = self._by_name.get(key, -1)
+            if i < 0:
+                raise TypeError(f"{self!r} has no input named {key!r}; its inputs are "
+                                f"{[v.name for v in variables]}")
+            if slots[i] is not None:
+                raise TypeError(f"input {key!r} given twice (by position and by keyword)")
+            slots[i] = value
+        missing = [describe(v) for v, s in zip(variables, slots) if s is None]
+        if missing:
+            raise TypeError(f"{self!r}: missing Data for input(s) {', '.join(missing)}")
+        for var, value in zip(variables, slots):
+            data_registry.check_input(value, var)
+        return slots
+
+    def _subset(self, output_subset: Sequence[int] | None) -> tuple[int, ...] | None:
+        if output_subset is None:
+            return None
+        n = len(self._spec.outputs)
+        if isinstance(output_subset, (str, bytes)) or not isinstance(output_subset, (Sequence, np.ndarray)):
+            raise TypeError(f"output_subset must be a list of output indices, got {output_subset!r}")
+        subset = []
+        for i in output_subset:
+            if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+                raise TypeError(f"output_subset must hold ints, got {i!r}")
+            if not 0 <= i < n:
+                raise ValueError(f"output_subset index {i} out of range: the function has {n} outputs")
+            subset.append(int(i))
+        if len(set(subset)) != len(subset):
+            raise ValueError(f"output_subset has repeated indices: {list(output_subset)}")
+        return tuple(subset)
+
+    def _plan(self, rt: Runtime, datas: list[Data], subset: tuple[int, ...] | None, batch: Any,
+              batch_s: Any, num_slices: Any) -> calls.CallPlan:
+        spec = self._spec
+        if not isinstance(num_slices, (int, np.integer)) or isinstance(num_slices, bool) or num_slices < 1:
+            raise ValueError(f"num_slices must be an int >= 1, got {num_slices!r}")
+        if num_slices > 1 and not spec.inputs and not spec.sliceable:
+            raise ValueError("num_slices > 1 needs something to slice: this function has no scattered "
+                             "inputs and no sliceable_shareds")
+        if batch_s is not None and not spec.sliceable:
+            raise ValueError("batch_s selects rows of sliceable shared variables; this function has none "
+                             "(declare them with synk.function(..., sliceable_shareds=[...]))")
+        scattered = datas[:len(spec.inputs)]
+        index_parts: list[np.ndarray] = []
+        kind, start, total = self._batch(scattered, batch, index_parts)
+        bs_kind, bs = self._batch_s(rt, batch_s, index_parts)
+        index_did = data_registry.write_indices(rt, np.concatenate(index_parts)) if index_parts else -1
+        return calls.CallPlan(spec.fid, int(num_slices), kind, start,
+                              [data_registry.data_id(rt, d) for d in datas], subset,
+                              calls.normalise_positions(total, rt.size), bs_kind, bs, index_did)
+
+    def _batch(self, scattered: list[Data], batch: Any, index_parts: list[np.ndarray]) -> tuple[int, int, int]:
+        """(kind, start, total) of the scattered rows; index batches go into ``index_parts``."""
+        if not scattered:
+            if batch is not None:
+                raise ValueError("batch selects rows of scattered inputs; this function has none")
+            return 0, 0, 0
+        full = [d for d in scattered if not d.minibatch]
+        lengths = {describe(v): len(d) for v, d in zip(self._spec.inputs, scattered)}
+        if batch is None:
+            if len(set(lengths.values())) > 1:
+                raise ValueError(f"the scattered inputs have different lengths {lengths}; pass batch= to "
+                                 "select the same rows of each")
+            return 0, 0, next(iter(lengths.values()))
+        limit = min((len(d) for d in full), default=None)
+        if isinstance(batch, (bool, np.bool_)):
+            raise TypeError(f"batch must be an int, a slice, or integer indices, got {batch!r}")
+        if isinstance(batch, (int, np.integer)):
+            batch = slice(0, int(batch)) if batch >= 0 else batch
+            if not isinstance(batch, slice):
+                raise ValueError(f"batch={batch} is negative; it must be a count of rows >= 0")
+            if limit is not None and batch.stop > limit:
+                raise ValueError(f"batch={batch.stop} asks for more rows than the inputs have ({lengths})")
+        if isinstance(batch, slice):
+            if limit is None:  # only minibatch inputs: the slice counts positions
+                limit = min(len(d) for d in scattered)
+            start, stop, step = batch.indices(limit)
+            rows = range(start, stop, step)
+            total = len(rows)
+            self._check_minibatch(scattered, total)
+            if step == 1:
+                return 0, start, total
+            index = np.arange(start, stop, step, dtype=np.int64)
+        else:
+            if isinstance(batch, (float, np.floating, str, bytes)):
+                raise TypeError(f"batch must be an int, a slice, or integer indices, got {batch!r}")
+            index = calls.as_index_array(batch, "batch")
+            total = len(index)
+            if limit is not None and total and (index.max() >= limit or index.min() < -limit):
+                bad = index[(index >= limit) | (index < -limit)][:5].tolist()
+                raise ValueError(f"batch indices {bad} out of range for inputs of lengths {lengths}")
+            if limit is not None:
+                index = np.where(index < 0, index + limit, index)
+            self._check_minibatch(scattered, total)
+        index_parts.append(index)
+        return 1, 0, total
+
+    def _check_minibatch(self, scattered: list[Data], total: int) -> None:
+        for var, d in zip(self._spec.inputs, scattered):
+            if d.minibatch and len(d) < total:
+                raise ValueError(f"minibatch Data for input {describe(var)} has {len(d)} rows; the batch "
+                                 f"selects {total} (a minibatch Data holds the batch: row i is position i)")
+
+    def _batch_s(self, rt: Runtime, batch_s: Any, index_parts: list[np.ndarray]) -> tuple[int, np.ndarray | None]:
+        if batch_s is None:
+            return 0, None
+        size = rt.size
+
+        def is_one(sel: Any) -> bool:
+            if isinstance(sel, slice):
+                return True
+            if isinstance(sel, np.ndarray):
+                return True
+            return isinstance(sel, (list, tuple)) and all(isinstance(i, (int, np.integer)) for i in sel)
+
+        selections = [batch_s] * size if is_one(batch_s) else list(batch_s)
+        if len(selections) != size or not all(is_one(s) for s in selections):
+            raise TypeError(f"batch_s must be a slice, a list or 1-d int array of rows, or a list of {size} "
+                            f"of those (one per rank); got {batch_s!r}")
+        kinds = {isinstance(s, slice) for s in selections}
+        if len(kinds) > 1:
+            raise TypeError("batch_s per rank must be all slices or all index lists")
+        bs = np.zeros((size, 3), dtype=np.int64)
+        if kinds == {True}:
+            for r, s in enumerate(selections):
+                for j, v in enumerate((s.start, s.stop, s.step)):
+                    if v is not None and not isinstance(v, (int, np.integer)):
+                        raise TypeError(f"batch_s slice bounds must be ints or None, got {s!r}")
+                    bs[r, j] = calls.NONE if v is None else int(v)
+                if s.step == 0:
+                    raise ValueError("batch_s slice step cannot be zero")
+            return 1, bs
+        offset = sum(len(p) for p in index_parts)
+        for r, s in enumerate(selections):
+            idx = calls.as_index_array(s, "batch_s")
+            index_parts.append(idx)
+            bs[r] = (offset, len(idx), 0)
+            offset += len(idx)
+        return 2, bs
+
+    # -- master-only helpers --------------------------------------------------------------------
+    def as_theano(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the underlying PyTensor function in the master only (inputs, then broadcast
+        inputs; numpy arrays or Data).  Only the master's shared values change."""
+        values = [np.asarray(a) for a in args]
+        named = {k: np.asarray(v) for k, v in kwargs.items()}
+        return self._replica.full()(*values, **named)
+
+    as_pytensor = as_theano
+
+    def build_inputs(self, *args: Any, force_cast: bool = False, oversize: float = 1.0,
+                     minibatch: bool | Sequence[bool] = False, **kwargs: Any) -> Data | tuple[Data, ...]:
+        """Make one :func:`synkhronos.data` per input (broadcast inputs included) from values given
+        as for the PyTensor function; ``minibatch`` may be one flag per input.
+
+        Returns one Data, or a tuple of them.
+        """
+        variables = self._spec.all_inputs
+        values: list[Any] = list(args) + [None] * (len(variables) - len(args))
+        for key, value in kwargs.items():
+            i = self._by_name.get(key, -1)
+            if i < 0:
+                raise TypeError(f"{self!r} has no input named {key!r}")
+            values[i] = value
+        flags = [minibatch] * len(variables) if isinstance(minibatch, bool) else list(minibatch)
+        if len(flags) != len(variables):
+            raise ValueError(f"minibatch needs one flag per input ({len(variables)}), got {len(flags)}")
+        from synkhronos.data_registry import data
+
+        made = tuple(data(value=v, var=var, force_cast=force_cast, oversize=oversize, minibatch=mb)
+                     for v, var, mb in zip(values, variables, flags))
+        return made[0] if len(made) == 1 else made
+
+
+def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[Any] | None = None,
+             updates: Any = None, givens: Any = None, sliceable_shareds: Sequence[Any] | None = None,
+             **kwargs: Any) -> Function:
+    """Build a data-parallel function: the replacement for ``pytensor.function``.
+
+    Parameters
+    ----------
+    inputs : list of variables
+        Scattered along axis 0 over the ranks at each call (ndim >= 1).
+    outputs : variable, (variable, op), or a list of those, optional
+        ``op`` combines the ranks' values: ``"avg"`` (default; weighted by rows), ``"sum"``,
+        ``"prod"``, ``"max"``, ``"min"``, or ``None``/``"gather"`` (concatenate in rank order).
+    bcast_inputs : list of variables, optional
+        Given whole to every rank.
+    updates : list of (shared, expr) or (shared, expr, op), or a dict, optional
+        Applied locally in each rank (nothing is communicated); ``op`` (default ``"avg"``)
+        combines an update over slices when ``num_slices`` > 1.
+    givens : as in PyTensor, optional
+    sliceable_shareds : list of shared variables, optional
+        Shared variables that hold data (subject to ``batch_s`` and slicing).
+    **kwargs
+        Passed to ``pytensor.function`` (``mode``, ``on_unused_input``, ``name``...).
+
+    Returns
+    -------
+    Function
+
+    Raises
+    ------
+    RuntimeError
+        If Synkhronos is not forked.
+    TypeError
+        For arguments of the wrong form.
+    ValueError
+        For an unknown reduce op, a scalar scattered input, or a sliceable shared that the
+        function does not use.
+    """
+    from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.graph.basic import Variable
+
+    rt = get_runtime()
+    if not rt.is_master:
+        raise RuntimeError("synkhronos.function() is for the master process")
+    inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    bcast = list(bcast_inputs or [])
+    for var in [*inputs, *bcast]:
+        if not isinstance(var, Variable) or isinstance(var, SharedVariable):
+            raise TypeError(f"inputs and bcast_inputs must be symbolic (non-shared) variables, got {var!r}")
+    for var in inputs:
+        if var.type.ndim < 1:
+            raise ValueError(f"scattered input {describe(var)} is 0-d: nothing to split; make it a "
+                             "bcast_input")
+    outs, output_ops, single = parse_outputs(outputs)
+    pairs, update_ops = parse_updates(updates)
+    if givens is None:
+        given_pairs = []
+    elif isinstance(givens, Mapping):
+        given_pairs = list(givens.items())
+    else:
+        given_pairs = [tuple(g) for g in givens]
+    sliceable = list(sliceable_shareds or [])
+    for var in sliceable:
+        if not isinstance(var, SharedVariable):
+            raise TypeError(f"sliceable_shareds must be shared variables, got {var!r}")
+        if var.type.ndim < 1:
+            raise ValueError(f"sliceable shared {describe(var)} is 0-d: it has no rows to slice")
+    name = kwargs.pop("name", None)
+    spec = FunctionSpec(fid=data_registry.next_function_id(rt), name=name, inputs=inputs, bcast_inputs=bcast,
+                        outputs=outs, output_ops=output_ops, single_output=single, updates=pairs,
+                        update_ops=update_ops, givens=given_pairs, sliceable=sliceable, kwargs=kwargs)
+    replica = Replica(spec, rt.device)
+    used = set(replica.full().get_shared())
+    for var in sliceable:
+        if var not in used:
+            raise ValueError(f"sliceable shared {describe(var)} is not used by this function")
+    rt.replicas[spec.fid] = replica
+    return Function(spec, replica)

@@ -1,0 +1,62 @@
+"""How the ranks' results of a call combine into the one result the master returns.
+
+Every rank that computed returns, per output, its local value and its weight (the number of rows
+it computed on: scattered input rows, or sliceable-shared rows after ``batch_s``; 1 each when
+nothing is split).  Per output op:
+
+=========  ===================================================================================
+avg        ``sum_r w_r * y_r / sum_r w_r`` -- a mean over rows equals the single-process mean
+sum        ``sum_r y_r``
+prod       ``prod_r y_r``
+max, min   element-wise over the ranks
+gather     concatenation along axis 0 in rank order (0-d values stack to shape ``(n,)``);
+           ``None`` means the same
+=========  ===================================================================================
+
+A rank with weight 0 (no rows) computed nothing and is left out.  Within a rank, ``num_slices``
+slices combine by the same rules, each weighted by its rows, before the ranks combine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["OUTPUT_OPS", "UPDATE_OPS", "check_op", "combine"]
+
+OUTPUT_OPS = ("avg", "sum", "prod", "max", "min", "gather")
+UPDATE_OPS = ("avg", "sum", "prod", "max", "min")
+
+
+def check_op(op: Any, what: str, allowed: Sequence[str] = OUTPUT_OPS) -> str:
+    """Normalise a reduce op name (``None`` -> ``"gather"``); ValueError names the choices."""
+    name = "gather" if op is None else op
+    if not isinstance(name, str) or name.lower() not in allowed:
+        choices = ", ".join(repr(a) for a in allowed) + (", None" if "gather" in allowed else "")
+        raise ValueError(f"unknown reduce op {op!r} for {what}: use one of {choices}")
+    return name.lower()
+
+
+def combine(op: str, values: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """Combine per-part values by ``op`` (see the module docstring); parts of weight 0 are skipped."""
+    parts = [(np.asarray(v), w) for v, w in zip(values, weights) if w > 0]
+    if not parts:
+        raise ValueError("no part computed anything (every rank had 0 rows)")
+    if op == "gather":
+        arrays = [v for v, _ in parts]
+        return np.stack(arrays) if arrays[0].ndim == 0 else np.concatenate(arrays, axis=0)
+    if len(parts) == 1:
+        return parts[0][0]
+    if op == "avg":
+        total = float(sum(w for _, w in parts))
+        acc = sum(v * (w / total) for v, w in parts)
+        first = parts[0][0]
+        dtype = first.dtype if first.dtype.kind in "fc" else np.float64
+        return np.asarray(acc, dtype=dtype)
+    ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+    out = np.array(parts[0][0], copy=True)
+    for v, _ in parts[1:]:
+        out = ufunc(out, v)
+    return np.asarray(out, dtype=parts[0][0].dtype)

@@ -1,0 +1,140 @@
+"""Replica: a Synkhronos function compiled in one rank, and the rank's share of a call.
+
+Two compiled forms, each per output subset (PyTensor has no ``output_subset`` any more, so a
+subset is a function of its own, compiled on first use and cached):
+
+* ``full``  -- ``pytensor.function(inputs + bcast_inputs, outputs, updates=...)``: one pass,
+  updates applied by PyTensor.  Used when the call has one slice and no ``batch_s``.
+* ``parts`` -- the same graph with every sliceable shared variable replaced by an explicit
+  input and the update expressions returned as outputs: the rank calls it once per slice, combines
+  outputs and updates slice by slice (each slice sees the original shared values), and applies
+  the combined updates once at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from synkhronos.device import Device
+from synkhronos.reduce_ops import combine
+from synkhronos.spec import FunctionSpec
+
+__all__ = ["Replica", "LocalResult"]
+
+log = logging.getLogger("synkhronos")
+
+Subset = tuple[int, ...] | None
+
+
+class LocalResult:
+    """A rank's share of a call: its weight (rows computed) and its combined outputs."""
+
+    __slots__ = ("outputs", "weight")
+
+    def __init__(self, weight: float, outputs: list[np.ndarray]) -> None:
+        self.weight = weight
+        self.outputs = outputs
+
+
+class Replica:
+    """A :class:`FunctionSpec` compiled in this rank."""
+
+    def __init__(self, spec: FunctionSpec, device: Device) -> None:
+        self.spec = spec
+        self.device = device
+        self._full: dict[Subset, Any] = {}
+        self._parts: dict[Subset, Any] = {}
+        self.compile_seconds = 0.0
+
+    def _outputs(self, subset: Subset) -> list[Any]:
+        outs = self.spec.outputs
+        return list(outs) if subset is None else [outs[i] for i in subset]
+
+    def full(self, subset: Subset = None) -> Any:
+        fn = self._full.get(subset)
+        if fn is None:
+            import pytensor
+
+            t0 = time.perf_counter()
+            spec = self.spec
+            fn = pytensor.function(spec.all_inputs, self._outputs(subset), updates=spec.updates,
+                                   givens=spec.givens or None, name=spec.name,
+                                   **self.device.compile_kwargs(spec.kwargs))
+            self.compile_seconds += time.perf_counter() - t0
+            self._full[subset] = fn
+        return fn
+
+    def parts(self, subset: Subset = None) -> Any:
+        fn = self._parts.get(subset)
+        if fn is None:
+            import pytensor
+
+            t0 = time.perf_counter()
+            spec = self.spec
+            stand_ins = [var.type() for var in spec.sliceable]
+            givens = [*spec.givens, *zip(spec.sliceable, stand_ins)]
+            outputs = self._outputs(subset) + [expr for _, expr in spec.updates]
+            fn = pytensor.function([*spec.all_inputs, *stand_ins], outputs, givens=givens or None,
+                                   name=spec.name, **self.device.compile_kwargs(spec.kwargs))
+            self.compile_seconds += time.perf_counter() - t0
+            self._parts[subset] = fn
+        return fn
+
+    def shared_vars(self) -> list[Any]:
+        """Every shared variable the function reads or updates."""
+        seen: dict[Any, None] = {}
+        for var in [*self.full().get_shared(), *self.spec.sliceable, *(v for v, _ in self.spec.updates)]:
+            seen.setdefault(var, None)
+        return list(seen)
+
+    # -- a rank's share of a call ---------------------------------------------------------------
+    def run(self, scattered: Sequence[Any], bcast: Sequence[Any], sliceable_rows: Sequence[Any] | None,
+            subset: Subset, num_slices: int, n_rows: int) -> list[np.ndarray]:
+        """Compute this rank's outputs (combined over slices) and apply its updates locally.
+
+        ``scattered`` are this rank's rows of the scattered inputs, ``bcast`` the whole broadcast
+        inputs, ``sliceable_rows`` the row selection (a slice with concrete bounds, or an index
+        array) of each sliceable shared variable, None when the call has no ``batch_s``;
+        ``n_rows`` the rows this rank computes on.
+        """
+        spec = self.spec
+        if num_slices == 1 and sliceable_rows is None:
+            outs = self.full(subset)(*scattered, *bcast)
+            return [np.asarray(o) for o in (outs if isinstance(outs, list) else [outs])]
+        fn = self.parts(subset)
+        device = self.device
+        n_out = len(self._outputs(subset))
+        ops = spec.output_ops if subset is None else [spec.output_ops[i] for i in subset]
+        if sliceable_rows is None:  # several slices, no batch_s: every row of each sliceable shared
+            sliceable_rows = [slice(0, device.length(var), 1) for var in spec.sliceable]
+        positions = np.arange(n_rows)
+        outs_per_slice: list[list[Any]] = []
+        weights: list[int] = []
+        for chunk in np.array_split(positions, num_slices):
+            if len(chunk) == 0:
+                continue
+            lo, hi = int(chunk[0]), int(chunk[-1]) + 1
+            xs = [x[lo:hi] for x in scattered]
+            ss = [device.take(var, _subrows(rows, lo, hi)) for var, rows in zip(spec.sliceable, sliceable_rows)]
+            outs_per_slice.append(fn(*xs, *bcast, *ss))
+            weights.append(hi - lo)
+        if not outs_per_slice:
+            return []
+        outputs = [combine(ops[i], [o[i] for o in outs_per_slice], weights) for i in range(n_out)]
+        for j, (var, _) in enumerate(spec.updates):
+            value = combine(spec.update_ops[j], [o[n_out + j] for o in outs_per_slice], weights)
+            device.put_update(var, np.asarray(value, dtype=var.type.dtype))
+        return outputs
+
+
+def _subrows(rows: Any, lo: int, hi: int) -> Any:
+    """Positions ``lo:hi`` of a row selection (a slice or an index array)."""
+    if isinstance(rows, slice):
+        start, _, step = rows.start or 0, rows.stop, rows.step or 1
+        return slice(start + lo * step, start + hi * step, step)
+    return rows[lo:hi]

@@ -1,0 +1,81 @@
+"""The state of a Synkhronos run in one process: its group, and the functions, shared variables
+and Data that every rank knows by the same small integer ids.
+
+The master holds a :class:`Runtime` from :func:`synkhronos.fork` to :func:`synkhronos.close`;
+each worker builds its own at start-up (:mod:`synkhronos.worker`).  Both sides run the same code
+on it for every call and collective, so that a rank's work is written once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from synk_comm import Group
+from synk_shm import Data
+from synkhronos.device import Device
+
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
+
+    from synkhronos.replica import Replica
+
+__all__ = ["Runtime", "get_runtime", "current"]
+
+log = logging.getLogger("synkhronos")
+
+
+class Runtime:
+    """Ids and objects of a run, in one rank."""
+
+    def __init__(self, group: Group, device: Device) -> None:
+        self.group = group
+        self.device = device
+        self.rank = group.rank
+        self.size = group.size
+        self.is_master = group.is_master
+        self.replicas: dict[int, Replica] = {}
+        self.shared: dict[int, SharedVariable] = {}
+        self.shared_ids: dict[SharedVariable, int] = {}
+        self.data: dict[int, Data] = {}
+        self.data_ids: dict[int, int] = {}  # id(Data) -> data id (master)
+        self.index_data: Data | None = None  # batch / batch_s indices written by the master
+        self.dropped: list[int] = []  # data ids the master no longer holds (sent with the next update)
+        self.counter = 0  # ids of functions and Data (master)
+        self.distributed: set[int] = set()  # function ids the workers have (master)
+
+    def add_shared(self, sid: int, var: SharedVariable) -> None:
+        self.shared[sid] = var
+        self.shared_ids[var] = sid
+
+    def shared_var(self, sid: int) -> SharedVariable:
+        return self.shared[sid]
+
+
+_runtime: Runtime | None = None
+
+
+def current() -> Runtime | None:
+    """This process's runtime, or None before fork / after close."""
+    return _runtime
+
+
+def set_current(rt: Runtime | None) -> None:
+    global _runtime
+    _runtime = rt
+
+
+def get_runtime() -> Runtime:
+    """This process's runtime; RuntimeError that says what to do if there is none."""
+    if _runtime is None:
+        raise RuntimeError("Synkhronos is not forked: call synk.fork() first (or again, after synk.close())")
+    if _runtime.group.closed:
+        raise RuntimeError("the Synkhronos group is closed (a worker died, or close() was called): "
+                           "call synk.close() and synk.fork() again")
+    return _runtime
+
+
+def describe(obj: Any) -> str:
+    """A short name for messages: a variable's name, or its repr."""
+    name = getattr(obj, "name", None)
+    return repr(name) if name else repr(obj)
