@@ -176,11 +176,14 @@ def share(rt: Runtime, plan: CallPlan) -> list[list[np.ndarray]] | None:
 
 
 def normalise_positions(total: int, size: int) -> np.ndarray:
-    """Even split of ``total`` rows over ``size`` ranks: per rank ``(p0, p1)``."""
+    """Even split of ``total`` rows over ``size`` ranks: per rank ``(p0, p1)``; the first
+    ``total % size`` ranks get one row more."""
     base, extra = divmod(total, size)
-    counts = np.array([base + (r < extra) for r in range(size)], dtype=np.int64)
-    ends = np.cumsum(counts)
-    return np.stack([ends - counts, ends], axis=1)
+    bounds, end = [], 0
+    for r in range(size):
+        start, end = end, end + base + (r < extra)
+        bounds.append((start, end))
+    return np.array(bounds, dtype=np.int64)
 
 
 def as_index_array(batch: Sequence[int] | np.ndarray, what: str) -> np.ndarray:

@@ -103,7 +103,9 @@ def _rows(batch: Any, length: int) -> Any:
             raise ValueError(f"batch={batch} outside [0, {length}]")
         return slice(0, int(batch))
     if isinstance(batch, slice):
-        return slice(*batch.indices(length))
+        start, stop, step = batch.indices(length)
+        # a negative step that ends at row 0 has stop -1, which as a slice bound means the last row
+        return slice(start, stop, step) if step > 0 else np.arange(start, stop, step)
     idx = as_index_array(batch, "batch")
     if len(idx) and (idx.max() >= length or idx.min() < -length):
         raise ValueError(f"batch indices out of range for a value of length {length}")
@@ -130,7 +132,7 @@ def broadcast(shared_vars: Any, values: Any = None, nccl: bool = True) -> None:
     variable)."""
     rt, variables, sids, _ = _prepare(shared_vars)
     encoded = None if values is None else _values(rt, variables, values, "broadcast")
-    _run(rt, "broadcast", sids=sids, values=encoded)
+    _run(rt, "broadcast", sids=sids, values=encoded, nccl=nccl)
 
 
 def scatter(shared_vars: Any, values: Any, batch: Any = None) -> None:
@@ -164,7 +166,7 @@ def gather(shared_vars: Any, nd_up: int = 1, nccl: bool = True) -> Any:
         for var in variables:
             if var.type.ndim < 1:
                 raise ValueError(f"gather(nd_up=0): {describe(var)} is 0-d and cannot be concatenated")
-    per_rank = _run(rt, "gather", sids=sids)
+    per_rank = _run(rt, "gather", sids=sids, nccl=nccl)
     out = []
     for i, var in enumerate(variables):
         parts = [rank_values[i] for rank_values in per_rank]
@@ -185,7 +187,7 @@ def all_gather(shared_vars: Any, nccl: bool = True) -> None:
     for var in variables:
         if var.type.ndim < 1:
             raise ValueError(f"all_gather: {describe(var)} is 0-d and cannot be concatenated")
-    _run(rt, "all_gather", sids=sids)
+    _run(rt, "all_gather", sids=sids, nccl=nccl)
 
 
 def reduce(shared_vars: Any, op: str = "avg", in_place: bool = True, nccl: bool = True) -> Any:
@@ -196,7 +198,7 @@ def reduce(shared_vars: Any, op: str = "avg", in_place: bool = True, nccl: bool 
     rt, variables, sids, single = _prepare(shared_vars)
     for var in variables:
         as_op(op, var.type.dtype)
-    results = _run(rt, "reduce", sids=sids, op=op, in_place=in_place)
+    results = _run(rt, "reduce", sids=sids, op=op, in_place=in_place, nccl=nccl)
     return None if in_place else _result(results, single)
 
 
@@ -205,7 +207,7 @@ def all_reduce(shared_vars: Any, op: str = "avg", nccl: bool = True) -> None:
     rt, variables, sids, _ = _prepare(shared_vars)
     for var in variables:
         as_op(op, var.type.dtype)
-    _run(rt, "all_reduce", sids=sids, op=op)
+    _run(rt, "all_reduce", sids=sids, op=op, nccl=nccl)
 
 
 def set_value(rank: int, shared_vars: Any, values: Any, batch: Any = None) -> None:
@@ -265,11 +267,32 @@ def _collective(group: Group, payload: tuple[str, dict[str, Any]]) -> Any:
     return _LOCAL[name](rt, variables, **{k: v for k, v in args.items() if k != "sids"})
 
 
-def _broadcast(rt: Runtime, variables: list[Any], values: list[Any] | None) -> None:
+def _on_device(rt: Runtime, nccl: bool) -> bool:
+    """True when the values move GPU to GPU through NCCL (GPU mode, ``nccl=True``)."""
+    return nccl and rt.device.use_gpu
+
+
+def _value(rt: Runtime, var: Any, nccl: bool) -> Any:
+    """The value to communicate: the device array (NCCL) or a numpy array (shared memory)."""
+    return rt.device.raw(var) if _on_device(rt, nccl) else rt.device.get(var)
+
+
+def _host(value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    from synk_comm.nccl import to_host
+
+    return to_host(value)
+
+
+def _broadcast(rt: Runtime, variables: list[Any], values: list[Any] | None, nccl: bool) -> None:
     host, device = rt.group, rt.device
     for i, var in enumerate(variables):
         if values is not None and values[i][0] == "data":
             device.set(var, _decode(rt, values[i]))
+            continue
+        if values is None and _on_device(rt, nccl):
+            device.set(var, host.broadcast(_value(rt, var, nccl), root=rt.group.master_rank))
             continue
         source = (device.get(var) if values is None else values[i][1]) if rt.is_master else None
         device.set(var, host.broadcast(source))
@@ -292,32 +315,41 @@ def _scatter(rt: Runtime, variables: list[Any], values: list[Any], rows: list[An
             device.set(var, host.scatter(parts))
 
 
-def _gather(rt: Runtime, variables: list[Any]) -> Any:
-    per_rank = rt.group.host.gather_arrays([rt.device.get(var) for var in variables])
-    return per_rank
+def _gather(rt: Runtime, variables: list[Any], nccl: bool) -> Any:
+    if _on_device(rt, nccl):
+        gathered = [rt.group.gather(_value(rt, var, nccl)) for var in variables]
+        if not rt.is_master:
+            return None
+        return [[_host(parts[r]) for parts in gathered] for r in range(rt.size)]  # type: ignore[index]
+    return rt.group.host.gather_arrays([rt.device.get(var) for var in variables])
 
 
-def _all_gather(rt: Runtime, variables: list[Any]) -> None:
+def _all_gather(rt: Runtime, variables: list[Any], nccl: bool) -> None:
     for var in variables:
-        parts = rt.group.all_gather(rt.device.get(var))
-        rt.device.set(var, np.concatenate(parts, axis=0))
+        parts = rt.group.all_gather(_value(rt, var, nccl))
+        if _on_device(rt, nccl):
+            import jax.numpy as jnp
+
+            rt.device.set(var, jnp.concatenate(parts, axis=0))
+        else:
+            rt.device.set(var, np.concatenate(parts, axis=0))
 
 
-def _reduce(rt: Runtime, variables: list[Any], op: str, in_place: bool) -> list[Any] | None:
+def _reduce(rt: Runtime, variables: list[Any], op: str, in_place: bool, nccl: bool) -> list[Any] | None:
     results = []
     for var in variables:
-        result = rt.group.reduce(rt.device.get(var), op)
+        result = rt.group.reduce(_value(rt, var, nccl), op)
         if rt.is_master:
             assert result is not None
             if in_place:
                 rt.device.set(var, result)
-            results.append(result)
+            results.append(_host(result))
     return results if rt.is_master else None
 
 
-def _all_reduce(rt: Runtime, variables: list[Any], op: str) -> None:
+def _all_reduce(rt: Runtime, variables: list[Any], op: str, nccl: bool) -> None:
     for var in variables:
-        rt.device.set(var, rt.group.all_reduce(rt.device.get(var), op))
+        rt.device.set(var, rt.group.all_reduce(_value(rt, var, nccl), op))
 
 
 def _set_value(rt: Runtime, variables: list[Any], values: list[Any], rows: list[Any], target: int) -> None:
@@ -346,6 +378,7 @@ def _get_shapes(rt: Runtime, variables: list[Any]) -> list[list[tuple[int, ...]]
     return [[tuple(rank_shapes[i]) for rank_shapes in per_rank] for i in range(len(variables))]  # type: ignore[index]
 
 
-_LOCAL: dict[str, Callable[..., Any]] = {"broadcast": _broadcast, "scatter": _scatter, "gather": _gather, "all_gather": _all_gather,
-          "reduce": _reduce, "all_reduce": _all_reduce, "set_value": _set_value, "get_value": _get_value,
-          "get_shapes": _get_shapes}
+_LOCAL: dict[str, Callable[..., Any]] = {
+    "broadcast": _broadcast, "scatter": _scatter, "gather": _gather, "all_gather": _all_gather, "reduce": _reduce,
+    "all_reduce": _all_reduce, "set_value": _set_value, "get_value": _get_value, "get_shapes": _get_shapes,
+}

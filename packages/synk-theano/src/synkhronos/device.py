@@ -43,6 +43,13 @@ class Device:
     def length(self, var: SharedVariable) -> int:
         raise NotImplementedError
 
+    def raw(self, var: SharedVariable) -> Any:
+        """The value as it is stored in this rank (what the device collectives move)."""
+        raise NotImplementedError
+
+    def adopt(self, var: SharedVariable) -> None:
+        """Take charge of a shared variable when it is first distributed (GPU: move it there)."""
+
     def put_update(self, var: SharedVariable, value: Any) -> None:
         """Store a value computed by a compiled function (already in this device's memory)."""
         raise NotImplementedError
@@ -64,6 +71,9 @@ class CpuDevice(Device):
 
     def take(self, var: SharedVariable, rows: Any) -> Any:
         return var.get_value(borrow=True)[rows]
+
+    def raw(self, var: SharedVariable) -> Any:
+        return self.get(var)
 
     def length(self, var: SharedVariable) -> int:
         return len(var.get_value(borrow=True))

@@ -78,6 +78,8 @@ def distribute() -> None:
                 rt.counter += 1
                 rt.add_shared(rt.counter, var)
                 new_shared.append((rt.counter, var))
+    for _, var in new_shared:
+        rt.device.adopt(var)
     buf = io.BytesIO()
     _Pickler(buf, known).dump({"specs": [rep.spec for rep in pending], "new_shared": new_shared})
     payload = buf.getvalue()

@@ -55,6 +55,12 @@ class Replica:
         outs = self.spec.outputs
         return list(outs) if subset is None else [outs[i] for i in subset]
 
+    def _kwargs(self, subset: Subset) -> dict[str, Any]:
+        kwargs = self.device.compile_kwargs(self.spec.kwargs)
+        if subset is not None:  # a subset of the outputs may leave some inputs unused
+            kwargs.setdefault("on_unused_input", "ignore")
+        return kwargs
+
     def full(self, subset: Subset = None) -> Any:
         fn = self._full.get(subset)
         if fn is None:
@@ -63,8 +69,7 @@ class Replica:
             t0 = time.perf_counter()
             spec = self.spec
             fn = pytensor.function(spec.all_inputs, self._outputs(subset), updates=spec.updates,
-                                   givens=spec.givens or None, name=spec.name,
-                                   **self.device.compile_kwargs(spec.kwargs))
+                                   givens=spec.givens or None, name=spec.name, **self._kwargs(subset))
             self.compile_seconds += time.perf_counter() - t0
             self._full[subset] = fn
         return fn
@@ -80,7 +85,7 @@ class Replica:
             givens = [*spec.givens, *zip(spec.sliceable, stand_ins)]
             outputs = self._outputs(subset) + [expr for _, expr in spec.updates]
             fn = pytensor.function([*spec.all_inputs, *stand_ins], outputs, givens=givens or None,
-                                   name=spec.name, **self.device.compile_kwargs(spec.kwargs))
+                                   name=spec.name, **self._kwargs(subset))
             self.compile_seconds += time.perf_counter() - t0
             self._parts[subset] = fn
         return fn
@@ -135,6 +140,7 @@ class Replica:
 def _subrows(rows: Any, lo: int, hi: int) -> Any:
     """Positions ``lo:hi`` of a row selection (a slice or an index array)."""
     if isinstance(rows, slice):
-        start, _, step = rows.start or 0, rows.stop, rows.step or 1
-        return slice(start + lo * step, start + hi * step, step)
+        start, step = rows.start or 0, rows.step or 1
+        stop = start + hi * step  # -1 for a negative step that ends at row 0: that is None, not the last row
+        return slice(start + lo * step, stop if stop >= 0 else None, step)
     return rows[lo:hi]
