@@ -526,6 +526,8 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
         raise ValueError(f"devices must have one entry per rank ({size}), got {len(devices)}")
     for module in imports:
         importlib.import_module(module)
+    if devices is not None:  # the master's own GPU, in effect if CUDA is not initialised yet
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(devices[master_rank])
     naming.sweep()
     prefix = naming.new_name("g") + "."
     group = Group(prefix=prefix, rank=master_rank, size=size, master_rank=master_rank,

@@ -51,7 +51,15 @@ def as_op(op: ReduceOp | str, dtype: Any = None) -> ReduceOp:
         except ValueError:
             names = ", ".join(repr(o.value) for o in ReduceOp)
             raise ValueError(f"unknown reduce op {op!r}: use one of {names}") from None
-    if op is ReduceOp.AVG and dtype is not None and np.dtype(dtype).kind in "biu":
+    if op is ReduceOp.AVG and dtype is not None and _numpy_dtype(dtype).kind in "biu":
         raise TypeError(f"op 'avg' needs a floating or complex dtype, not {np.dtype(dtype)}: use 'sum' "
                         "and divide, or cast to float first")
     return op
+
+
+def _numpy_dtype(dtype: Any) -> np.dtype[Any]:
+    """numpy's dtype for a numpy, JAX or PyTorch dtype (``torch.float32`` -> ``float32``)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return np.dtype(str(dtype).removeprefix("torch."))

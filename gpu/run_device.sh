@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU suite and the GPU benchmarks in one call of the device tool (nvidia-h200-x2):
+#   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash gpu/run_device.sh")
+# The machine has no network: PyTensor 3.3.7 and its pure-Python dependencies, nccl4py and
+# posix_ipc travel as cp312 wheels in .whl/ (see gpu/README.md); our packages run from source.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/synk-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/packages/synk-shm/src:$PWD/packages/synk-comm/src:$PWD/packages/synk-theano/src
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
+nvidia-smi -L
+python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
+status=0
+for suite in packages/synk-comm/tests/test_comm_gpu.py packages/synk-theano/tests/test_synk_gpu.py; do
+  python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
+done
+if [ "${1:-}" != "tests" ]; then
+  python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu.log" || status=1
+fi
+exit $status

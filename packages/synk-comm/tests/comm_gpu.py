@@ -1,0 +1,75 @@
+"""SPMD functions of the GPU tests (importable by the workers): NCCL collectives on device
+arrays of each framework, checked in every rank against numpy on the host."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def _to_device(kind: str, a: np.ndarray) -> Any:
+    if kind == "jax":
+        import jax
+
+        return jax.device_put(a, jax.devices()[0])
+    if kind == "cupy":
+        import cupy
+
+        return cupy.asarray(a)
+    import torch
+
+    return torch.as_tensor(a, device="cuda")
+
+
+def nccl_collectives(group: Any, kind: str) -> list[str]:
+    """Run every collective on ``kind`` arrays; return the names of those that were wrong."""
+    from synk_comm.nccl import to_host
+
+    nc = group.nccl
+    r, n = group.rank, group.size
+    wrong = []
+
+    def local(rank: int, shape: tuple[int, ...] = (4, 3)) -> np.ndarray:
+        return (np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 10 * rank + 1)
+
+    x = _to_device(kind, local(r))
+    refs = [local(k) for k in range(n)]
+    checks = {
+        "all_reduce sum": (to_host(nc.all_reduce(x, "sum")), np.sum(refs, axis=0)),
+        "all_reduce avg": (to_host(nc.all_reduce(x, "avg")), np.mean(refs, axis=0)),
+        "all_reduce max": (to_host(nc.all_reduce(x, "max")), np.max(refs, axis=0)),
+        "all_reduce min": (to_host(nc.all_reduce(x, "min")), np.min(refs, axis=0)),
+        "all_reduce prod": (to_host(nc.all_reduce(x, "prod")), np.prod(refs, axis=0)),
+        "broadcast": (to_host(nc.broadcast(x, root=n - 1)), refs[n - 1]),
+        "reduce_scatter": (to_host(nc.reduce_scatter(_to_device(kind, np.tile(local(r), (n, 1))), "sum")),
+                           np.split(np.sum([np.tile(a, (n, 1)) for a in refs], axis=0), n)[r]),
+    }
+    reduced = nc.reduce(x, "sum", root=0)
+    if r == 0:
+        checks["reduce"] = (to_host(reduced), np.sum(refs, axis=0))
+    parts = nc.all_gather(x)
+    checks["all_gather"] = (np.stack([to_host(p) for p in parts]), np.stack(refs))
+    uneven = _to_device(kind, local(r, (r + 1, 2)))
+    parts = nc.all_gather(uneven)
+    checks["all_gather uneven"] = (np.concatenate([to_host(p) for p in parts]),
+                                   np.concatenate([local(k, (k + 1, 2)) for k in range(n)]))
+    gathered = nc.gather(uneven, root=0)
+    if r == 0:
+        checks["gather uneven"] = (np.concatenate([to_host(p) for p in gathered]),
+                                   np.concatenate([local(k, (k + 1, 2)) for k in range(n)]))
+    for name, (got, want) in checks.items():
+        if got.shape != want.shape or not np.allclose(got, want):
+            wrong.append(f"{kind} {name}: got {got.tolist()} want {want.tolist()}")
+    return wrong
+
+
+def group_dispatch(group: Any) -> list[str]:
+    """group.all_reduce on a jax array goes through NCCL and returns a device array."""
+    import jax
+
+    x = jax.device_put(np.full(5, group.rank + 1.0, np.float32), jax.devices()[0])
+    out = group.all_reduce(x, "sum")
+    expected = sum(range(1, group.size + 1))
+    ok = isinstance(out, jax.Array) and np.allclose(np.asarray(out), expected)
+    return [] if ok else [f"dispatch: {type(out).__name__} {np.asarray(out).tolist()}"]

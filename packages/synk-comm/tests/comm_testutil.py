@@ -1,0 +1,64 @@
+"""Helpers of the synk-comm tests that are not fixtures: /dev/shm entries, processes, scripts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+SHM_DIR = "/dev/shm"
+
+
+def entries_with(keep: Callable[[str], bool]) -> list[str]:
+    """The entries of /dev/shm for which ``keep(name)`` is true."""
+    try:
+        return sorted(e for e in os.listdir(SHM_DIR) if keep(e))
+    except OSError:
+        return []
+
+
+def run_entries(pid: int) -> list[str]:
+    """Entries of /dev/shm that belong to the run whose root process is ``pid``."""
+    return entries_with(lambda e: f"-{pid}-" in e)
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` is a running process (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X")
+
+
+def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for every pid to be gone; returns those still alive."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def python_env(extra_path: Sequence[str] = ()) -> dict[str, str]:
+    """The environment for a child interpreter: this test directory (and ``extra_path``) first on
+    ``PYTHONPATH``, and no inherited run prefix (the child is a run of its own)."""
+    env = dict(os.environ)
+    env.pop("SYNK_RUN_PREFIX", None)
+    path = [*extra_path, HERE, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    return env
+
+
+def run_python(args: Sequence[str], timeout: float = 60.0, extra_path: Sequence[str] = (),
+               cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python *args`` to completion with :func:`python_env`; capture its output."""
+    return subprocess.run([sys.executable, *args], env=python_env(extra_path), cwd=cwd or ROOT,
+                          capture_output=True, text=True, timeout=timeout)
