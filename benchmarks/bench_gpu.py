@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 OUT = os.environ.get("OUT", "/tmp")
+USE_GPU = os.environ.get("SYNK_BENCH_CPU") != "1"  # SYNK_BENCH_CPU=1: a dry run of the code on CPU workers
 D, H, L, C = 1024, 4096, 4, 10
 
 
@@ -38,7 +39,7 @@ def synk_all_reduce(n: int, nbytes: int, iters: int = 20) -> float:
 
     import synkhronos as synk
 
-    synk.fork(n, use_gpu=True)
+    synk.fork(n, use_gpu=USE_GPU)
     s = pytensor.shared(np.ones(nbytes // 4, dtype="float32"), name="big")
     synk.function([], outputs=s[0])()
     for _ in range(3):
@@ -47,6 +48,14 @@ def synk_all_reduce(n: int, nbytes: int, iters: int = 20) -> float:
     for _ in range(iters):
         synk.all_reduce(s, op="sum")
     seconds = (time.perf_counter() - t0) / iters  # each call returns after its stream synchronised
+    if os.environ.get("SYNK_BENCH_PROFILE"):
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as prof:
+            for _ in range(iters):
+                synk.all_reduce(s, op="sum")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     synk.close()
     return seconds
 
@@ -83,7 +92,7 @@ def synk_train_step(n: int, batch: int, steps: int = 30) -> float:
 
     import synkhronos as synk
 
-    synk.fork(n, use_gpu=True)
+    synk.fork(n, use_gpu=USE_GPU)
     rng = np.random.default_rng(0)
     dims = [D] + [H] * L + [C]
     ws = [pytensor.shared((rng.standard_normal((a, b)) / np.sqrt(a)).astype("float32"), name=f"w{i}")
@@ -173,13 +182,21 @@ def ddp_worker(rank: int, n: int, batch: int, path: str, q) -> None:
 def ddp_step(n: int, batch: int) -> float:
     import multiprocessing as mp
 
+    from synkhronos.gpu import visible_devices
+
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     path = f"/tmp/ddp_{os.getpid()}_{n}_{batch}"
     procs = [ctx.Process(target=ddp_worker, args=(r, n, batch, path, q)) for r in range(n)]
-    for p in procs:
-        p.start()
-    times = [q.get(timeout=300)[1] for _ in procs]
+    pinned = os.environ.get("CUDA_VISIBLE_DEVICES")  # synk.fork pinned this process to its GPU
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices())
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if pinned is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = pinned
+    times = [q.get(timeout=120)[1] for _ in procs]
     for p in procs:
         p.join()
     return max(times)
@@ -193,7 +210,7 @@ def call_overhead(n: int, iters: int = 2000) -> tuple[float, float]:
 
     import synkhronos as synk
 
-    synk.fork(n, use_gpu=True)
+    synk.fork(n, use_gpu=USE_GPU)
     x = pt.matrix("x")
     f = synk.function([x], outputs=x.sum())
     g = pytensor.function([x], x.sum(), mode="JAX")

@@ -489,7 +489,8 @@ def _master_gone(prefix: str) -> None:
 
 def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
           devices: Sequence[str | int] | None = None, env: dict[str, str] | None = None,
-          scratch_size: int = 4096, startup_timeout: float = 300.0, main_path: str | None = None) -> Group:
+          scratch_size: int = 4096, startup_timeout: float = 300.0, main_path: str | None = None,
+          spin_us: float | None = None) -> Group:
     """Start ``size - 1`` worker processes and return the master's :class:`Group` (rank ``master_rank``).
 
     Parameters
@@ -509,6 +510,9 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
         Number of int64 hot-path argument slots (:attr:`Group.scratch`).
     startup_timeout : float
         Seconds to wait for every worker to be ready.
+    spin_us : float, optional
+        Microseconds each wait polls before it sleeps, in every rank (default ``SYNK_SPIN_US``
+        or 200; never with more ranks than cores).
 
     Raises
     ------
@@ -534,6 +538,8 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
                   scratch_size=scratch_size, device=None if devices is None else str(devices[master_rank]),
                   create=True)
     group._command_names = sorted(HANDLERS)
+    if spin_us is not None and group._spin > 0:
+        group._spin = spin_us * 1e-6
     config = {"imports": list(imports), "handlers": group._command_names, "sys_path": list(sys.path),
               "main_path": main_path}
     group.buffers.publish_bytes(MAILBOX, pickle.dumps(config, pickle.HIGHEST_PROTOCOL))
@@ -542,6 +548,8 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
     base_env.update({naming.RUN_PREFIX_ENV: naming.run_prefix(), "SYNK_GROUP_PREFIX": prefix,
                      "SYNK_SIZE": str(size), "SYNK_MASTER_RANK": str(master_rank),
                      "SYNK_MASTER_PID": str(os.getpid()), "SYNK_SCRATCH_SIZE": str(scratch_size)})
+    if spin_us is not None:
+        base_env["SYNK_SPIN_US"] = str(spin_us)
     try:
         for r in group.workers:
             wenv = dict(base_env, SYNK_RANK=str(r))

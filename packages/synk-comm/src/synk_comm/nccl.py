@@ -3,9 +3,10 @@
 Works on any array that exposes the CUDA Array Interface (CuPy, PyTorch) and on JAX arrays.
 JAX publishes the interface as version 2 and its DLPack export fails under nccl4py, so every
 buffer goes to NCCL through :class:`CudaBuffer`, a view whose ``__cuda_array_interface__`` is
-the array's own with ``version=3``.  JAX arrays are immutable: results always land in a fresh
-buffer (:func:`empty_like`) that the collective returns, and the NCCL stream is synchronised
-before the result is handed back.
+the array's own with ``version=3``.  JAX arrays are immutable: results land in a fresh buffer
+(:func:`empty_like`) that the collective returns -- except for ``all_reduce(x, out=x)``, which
+reduces in place, for callers that own ``x`` (synkhronos does, for a shared variable's value) --
+and the NCCL stream is synchronised before the result is handed back.
 
 The communicator is built on first use: the master rank makes the unique id and the group's
 shared-memory broadcast carries it to the others.  Shapes that differ between ranks (gather,
@@ -118,9 +119,9 @@ class NcclCollectives(Collectives):
         log.info("synk_comm: NCCL communicator ready in rank %d of %d", self.rank, self.size)
 
     def close(self) -> None:
-        comm, self.comm = self.comm, None
-        if comm is not None:
-            comm.destroy()
+        """Forget the communicator; the process's exit releases it (ncclCommDestroy can wait on
+        peers that are already gone)."""
+        self.comm = None
 
     def _sync(self) -> None:
         self._stream.sync()
@@ -149,7 +150,7 @@ class NcclCollectives(Collectives):
 
     def all_reduce(self, array: Any, op: ReduceOp | str = "sum", *, out: Any = None) -> Any:
         rop = as_op(op, array.dtype)
-        if out is None or _framework(out) == "jax":
+        if out is None:
             out = empty_like(array)
         self.comm.allreduce(CudaBuffer(array), CudaBuffer(out), self._ops[rop], stream=self._stream)
         self._sync()

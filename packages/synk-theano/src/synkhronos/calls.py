@@ -172,7 +172,8 @@ def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[np.ndarray]]:
 def share(rt: Runtime, plan: CallPlan) -> list[list[np.ndarray]] | None:
     """Execute this rank's share and send it to the master (the master gets every rank's)."""
     weight, outputs = execute(rt, plan)
-    return rt.group.host.gather_arrays([np.array(weight), *(np.asarray(o) for o in outputs)])
+    return rt.group.host.gather_arrays([np.array(weight), *(np.asarray(o) for o in outputs)],
+                                       root=rt.group.master_rank)
 
 
 def normalise_positions(total: int, size: int) -> np.ndarray:

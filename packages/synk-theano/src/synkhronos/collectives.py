@@ -215,7 +215,7 @@ def set_value(rank: int, shared_vars: Any, values: Any, batch: Any = None) -> No
     rt, variables, sids, _ = _prepare(shared_vars)
     _check_rank(rt, rank)
     encoded = _values(rt, variables, values, "set_value")
-    rows = [_rows(batch, _length(rt, e)) if var.type.ndim else slice(None)
+    rows = [_rows(batch, _length(rt, e)) if var.type.ndim else ...  # 0-d: the whole value
             for var, e in zip(variables, encoded)]
     _run(rt, "set_value", sids=sids, values=encoded, rows=rows, target=int(rank))
 
@@ -321,7 +321,7 @@ def _gather(rt: Runtime, variables: list[Any], nccl: bool) -> Any:
         if not rt.is_master:
             return None
         return [[_host(parts[r]) for parts in gathered] for r in range(rt.size)]  # type: ignore[index]
-    return rt.group.host.gather_arrays([rt.device.get(var) for var in variables])
+    return rt.group.host.gather_arrays([rt.device.get(var) for var in variables], root=rt.group.master_rank)
 
 
 def _all_gather(rt: Runtime, variables: list[Any], nccl: bool) -> None:
@@ -349,7 +349,11 @@ def _reduce(rt: Runtime, variables: list[Any], op: str, in_place: bool, nccl: bo
 
 def _all_reduce(rt: Runtime, variables: list[Any], op: str, nccl: bool) -> None:
     for var in variables:
-        rt.device.set(var, rt.group.all_reduce(_value(rt, var, nccl), op))
+        value = _value(rt, var, nccl)
+        # In place: the value is the variable's own buffer, referenced by nothing else.
+        result = rt.group.all_reduce(value, op, out=value)
+        if result is not value:
+            rt.device.set(var, result)
 
 
 def _set_value(rt: Runtime, variables: list[Any], values: list[Any], rows: list[Any], target: int) -> None:
@@ -366,7 +370,7 @@ def _set_value(rt: Runtime, variables: list[Any], values: list[Any], rows: list[
 
 def _get_value(rt: Runtime, variables: list[Any], target: int) -> list[Any] | None:
     mine = [rt.device.get(var) for var in variables] if rt.rank == target else []
-    per_rank = rt.group.host.gather_arrays(mine)
+    per_rank = rt.group.host.gather_arrays(mine, root=rt.group.master_rank)
     return None if per_rank is None else per_rank[target]
 
 

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import synk_comm
+from synkhronos.calls import CallPlan
 from synkhronos.device import CpuDevice
 from synkhronos.runtime import Runtime, current, set_current
 
@@ -41,17 +42,12 @@ def _pytensor_flags() -> str:
 
 
 def gpu_count() -> int:
-    """GPUs visible to this process (0 without NVIDIA's driver)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        entries = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
-        if not os.path.isdir("/proc/driver/nvidia/gpus"):
-            return 0
-        return len(entries)
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
+    """GPUs this run may use (0 without NVIDIA's driver)."""
+    if not os.path.isdir("/proc/driver/nvidia/gpus"):
         return 0
+    from synkhronos.gpu import visible_devices
+
+    return len(visible_devices())
 
 
 def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank: int = 0,
@@ -124,9 +120,11 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         device = CpuDevice()
     if profile_workers:
         env["SYNK_PROFILE_DIR"] = os.getcwd()
-    scratch = 16 + max_n_var + 8 * n_parallel
+    scratch = CallPlan.length(max_n_var, 0, n_parallel)  # exactly max_n_var Data ids and output indices
+    # GPU ranks have cores to spare: poll longer before sleeping, as a sleeping rank wakes slowly.
+    spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu else 200))
     group = synk_comm.start(n_parallel, imports=["synkhronos.worker"], master_rank=master_rank,
-                            devices=devices, env=env, scratch_size=scratch)
+                            devices=devices, env=env, scratch_size=scratch, spin_us=spin)
     set_current(Runtime(group, device))
     log.info("synkhronos: %d ranks in %s mode (master rank %d%s) ready in %.2f s", n_parallel,
              "GPU" if use_gpu else "CPU", master_rank, f", GPUs {devices}" if devices else "",

@@ -113,6 +113,9 @@ class Function:
         rt = get_runtime()
         if not rt.is_master:
             raise RuntimeError("synkhronos functions are called in the master only")
+        if rt.replicas.get(self._spec.fid) is not self._replica:  # its id may name another function now
+            raise RuntimeError(f"{self!r} was built for a group that is closed: build it again with "
+                               "synk.function() after synk.fork()")
         from synkhronos.distribution import ensure_distributed
 
         ensure_distributed(rt)
@@ -226,6 +229,7 @@ class Function:
                 raise ValueError(f"batch={batch} is negative; it must be a count of rows >= 0")
             if limit is not None and batch.stop > limit:
                 raise ValueError(f"batch={batch.stop} asks for more rows than the inputs have ({lengths})")
+            self._check_minibatch(scattered, batch.stop)  # batch=k needs k rows, not fewer after clipping
         if isinstance(batch, slice):
             if limit is None:  # only minibatch inputs: the slice counts positions
                 limit = min(len(d) for d in scattered)

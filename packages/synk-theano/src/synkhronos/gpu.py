@@ -8,7 +8,9 @@ NCCL; function outputs come back to the master as numpy through shared memory.
 
 In the master, ``get_value()`` of a distributed shared variable returns numpy and
 ``set_value(v)`` puts ``v`` on the master's GPU (the variables' own methods are replaced for
-that), so plain PyTensor functions built in the master keep working on them.
+that).  ``fork`` makes ``"JAX"`` the master's default PyTensor mode, so that plain PyTensor
+functions built in the master read those GPU-resident values too (a function compiled earlier
+with a CPU mode cannot: rebuild it after ``fork``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ if TYPE_CHECKING:
 __all__ = ["GpuDevice", "prepare_master", "visible_devices"]
 
 
+_ORIGINAL_VISIBLE: list[str | None] = []  # CUDA_VISIBLE_DEVICES before the first fork pinned the master
+
+
 def visible_devices() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    """The GPUs this run may use, as CUDA_VISIBLE_DEVICES entries (as they were before the first
+    fork narrowed the master's own variable to its GPU)."""
+    visible = _ORIGINAL_VISIBLE[0] if _ORIGINAL_VISIBLE else os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [v.strip() for v in visible.split(",") if v.strip() and v.strip() != "-1"]
     try:
@@ -55,14 +61,24 @@ def _jax_backend_initialised() -> bool:
 def prepare_master(n_parallel: int, master_rank: int) -> list[str]:
     """Pin the master to its GPU before JAX starts; returns the device entry of every rank."""
     devices = visible_devices()[:n_parallel]
-    if _jax_backend_initialised() and len(visible_devices()) > 1:
+    own = os.environ.get("CUDA_VISIBLE_DEVICES")
+    pinned = own is not None and len([d for d in own.split(",") if d.strip()]) == 1
+    if _jax_backend_initialised() and not pinned and len(devices) > 1:
         raise RuntimeError(
             "JAX's GPU backend is already initialised in this process with every GPU visible: it would "
             "preallocate memory on all of them and leave none to the workers. Call synk.fork() before "
             "anything runs JAX (creating arrays, compiling a mode='JAX' function), or set "
             "CUDA_VISIBLE_DEVICES to the GPUs Synkhronos may use before starting Python.")
+    if not _ORIGINAL_VISIBLE:
+        _ORIGINAL_VISIBLE.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    elif os.environ.get("CUDA_VISIBLE_DEVICES") != devices[master_rank] and "jax" in sys.modules:
+        raise RuntimeError(f"this process already runs JAX on GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}; "
+                           f"fork again with the same master_rank")
     os.environ["CUDA_VISIBLE_DEVICES"] = devices[master_rank]
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    import pytensor
+
+    pytensor.config.mode = "JAX"  # plain functions in the master read the GPU-resident shared values
     return devices
 
 

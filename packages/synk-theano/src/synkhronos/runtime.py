@@ -9,6 +9,7 @@ on it for every call and collective, so that a rank's work is written once.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from synk_comm import Group
@@ -37,7 +38,9 @@ class Runtime:
         self.replicas: dict[int, Replica] = {}
         self.shared: dict[int, SharedVariable] = {}
         self.shared_ids: dict[SharedVariable, int] = {}
-        self.data: dict[int, Data] = {}
+        # The master holds its Data weakly, so that a Data the user drops is freed (and the workers told,
+        # see data_registry._forget); a worker holds its attached copies until the master drops them.
+        self.data: dict[int, Data] = weakref.WeakValueDictionary() if self.is_master else {}  # type: ignore[assignment]
         self.data_ids: dict[int, int] = {}  # id(Data) -> data id (master)
         self.index_data: Data | None = None  # batch / batch_s indices written by the master
         self.dropped: list[int] = []  # data ids the master no longer holds (sent with the next update)

@@ -1,0 +1,103 @@
+"""Helpers of the synkhronos tests (a module of its own, not conftest: every package's tests run in
+one pytest session, where the name ``conftest`` is not unique).
+
+The references here are plain numpy: how rows split over the ranks (``numpy.array_split``: the
+first ``len % n`` ranks get one row more), and how per-rank or per-slice values combine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+import synk_shm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+EXAMPLES = os.path.join(ROOT, "examples")
+SHM_DIR = "/dev/shm"
+TIMEOUT = 120
+"""Seconds for any test that runs several processes (pytest.mark.timeout)."""
+
+
+# --- processes and shared memory ------------------------------------------------------------------
+
+def own_entries(prefix: str | None = None) -> list[str]:
+    """Entries of /dev/shm (segments and ``sem.`` semaphores) under ``prefix`` (default: this run's)."""
+    bare = (prefix or synk_shm.run_prefix()).lstrip("/")
+    try:
+        return sorted(e for e in os.listdir(SHM_DIR) if e.startswith((bare, "sem." + bare)))
+    except OSError:
+        return []
+
+
+def worker_pids(parent: int | None = None) -> list[int]:
+    """Live children of ``parent`` (default: this process) that run ``synk_comm.worker``."""
+    parent = os.getpid() if parent is None else parent
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid == parent and state not in (b"Z", b"X") and b"synk_comm.worker" in cmdline:
+            found.append(int(entry))
+    return sorted(found)
+
+
+def assert_no_workers_left(timeout: float = 10.0) -> None:
+    """Every worker child of this process is gone within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while worker_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = worker_pids()
+    assert not left, f"worker processes still running: {left}"
+
+
+def run_script(path: str, timeout: float = 180.0, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python path`` as a run of its own (no inherited run prefix); capture its output."""
+    env = dict(os.environ)
+    env.pop("SYNK_RUN_PREFIX", None)
+    return subprocess.run([sys.executable, path], env=env, cwd=cwd or ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# --- numpy references ---------------------------------------------------------------------------
+
+def parts(values: np.ndarray, n: int) -> list[np.ndarray]:
+    """Each rank's rows of ``values`` when scattered over ``n`` ranks."""
+    return np.array_split(np.asarray(values), n)
+
+
+def combine(op: str | None, values: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """numpy reference of how parts combine (parts of weight 0 are left out).
+
+    avg: weighted mean; sum/prod/max/min: element-wise; None/"gather": concatenation on axis 0,
+    0-d values stacked.
+    """
+    kept = [(np.asarray(v), w) for v, w in zip(values, weights) if w > 0]
+    vals = [v for v, _ in kept]
+    if op is None or op == "gather":
+        return np.stack(vals) if vals[0].ndim == 0 else np.concatenate(vals, axis=0)
+    if op == "avg":
+        total = sum(w for _, w in kept)
+        return sum(v * w for v, w in kept) / total
+    return {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min}[op](np.stack(vals), axis=0)
+
+
+def slices_of(n_rows: int, num_slices: int) -> list[slice]:
+    """The non-empty slices in which a rank computes its ``n_rows`` rows under ``num_slices``."""
+    chunks = np.array_split(np.arange(n_rows), num_slices)
+    return [slice(int(c[0]), int(c[-1]) + 1) for c in chunks if len(c)]

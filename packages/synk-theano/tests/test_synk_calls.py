@@ -1,0 +1,289 @@
+"""Calls of synkhronos functions in 2 and 3 CPU ranks, against numpy and the plain PyTensor function
+on the whole data: output ops (avg weighted by rows, sum, prod, max, min, gather), broadcast inputs,
+every form of ``batch``, minibatch Data, keywords, ``output_subset``, ``as_theano``, ``build_inputs``,
+givens and PyTensor keyword arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from synk_testutil import TIMEOUT, parts
+
+import synkhronos as synk
+
+pytestmark = pytest.mark.timeout(TIMEOUT)
+
+OPS = ["avg", "sum", "prod", "max", "min", None, None, "avg"]
+
+
+class Fns:
+    """The functions of this module, built once per forked group."""
+
+    def __init__(self) -> None:
+        x = pt.matrix("x", dtype="float64")
+        y = pt.vector("y", dtype="float64")
+        z = pt.matrix("z", dtype="float64")
+        self.x, self.y = x, y
+        self.exprs = [pt.mean(x.dot(y)), pt.sum(x, axis=0), pt.prod(x, axis=0), pt.max(x, axis=0),
+                      pt.min(x, axis=0), x + y, pt.sum(x), pt.mean(x, axis=0)]
+        outputs = [(e, op) for e, op in zip(self.exprs[:-1], OPS[:-1])] + [self.exprs[-1]]  # last: default op
+        self.f = synk.function([x], outputs, bcast_inputs=[y], name="ops")
+        self.f_th = pytensor.function([x, y], self.exprs)
+        self.single = synk.function([x], pt.mean(x, axis=0))
+        self.listed = synk.function([x], [pt.mean(x, axis=0)])
+        self.mb = synk.function([x, z], [(x + z, None), pt.mean(x * z)])
+
+
+@pytest.fixture(scope="module")
+def fns(ranks):
+    return Fns()
+
+
+def reference(xs: np.ndarray, y: np.ndarray, n: int) -> list[np.ndarray]:
+    """numpy: what ``Fns.f`` returns for rows ``xs`` on ``n`` ranks."""
+    per_rank_sums = np.array([p.sum() for p in parts(xs, n) if len(p)])
+    return [(xs @ y).mean(), xs.sum(0), xs.prod(0), xs.max(0), xs.min(0), xs + y, per_rank_sums, xs.mean(0)]
+
+
+def assert_outputs(got, expected) -> None:
+    assert isinstance(got, list) and len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert np.shape(g) == np.shape(e), f"output {i}: shape {np.shape(g)} != {np.shape(e)}"
+        np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12, err_msg=f"output {i} (op {OPS[i]})")
+
+
+def values(n_rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.uniform(0.5, 1.5, (n_rows, 3)), rng.uniform(-1, 1, 3)
+
+
+# --- output ops -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_rows", [10, 7, 2, 1])
+def test_output_ops_match_numpy_and_pytensor(fns, ranks, n_rows):
+    xd, yd = values(n_rows)
+    got = fns.f(synk.data(xd), synk.data(yd))
+    expected = reference(xd, yd, ranks)
+    assert_outputs(got, expected)
+    whole = fns.f_th(xd, yd)  # the plain PyTensor function on the whole data
+    for i in (0, 1, 2, 3, 4, 5, 7):
+        np.testing.assert_allclose(got[i], whole[i], rtol=1e-10, atol=1e-12)
+    # 0-d outputs under op None stack one value per rank that had rows, in rank order
+    assert got[6].shape == (min(n_rows, ranks),)
+
+
+def test_avg_is_weighted_by_rows_on_uneven_split(fns, ranks):
+    """10 rows: 5/5 on 2 ranks, 4/3/3 on 3; 7 rows: 4/3 on 2 ranks. The weighted mean is the
+    single-process mean where an unweighted mean of the ranks' means is not."""
+    for n_rows in (10, 7):
+        xd = np.arange(float(n_rows))[:, None] ** 2 * np.ones((1, 3))
+        got = fns.single(synk.data(xd))
+        np.testing.assert_allclose(got, xd.mean(0), rtol=1e-12)
+        unweighted = np.mean([p.mean(0) for p in parts(xd, ranks)], axis=0)
+        if n_rows % ranks:
+            assert not np.allclose(unweighted, xd.mean(0))  # the split is really uneven
+
+
+def test_output_modes_update_modes_and_name(fns):
+    assert fns.f.output_modes == OPS
+    assert fns.f.update_modes == []
+    assert fns.f.name == "ops"
+    assert fns.single.output_modes == ["avg"]
+
+
+def test_single_output_returns_array_list_returns_list(fns):
+    xd, _ = values(5)
+    X = synk.data(xd)
+    one = fns.single(X)
+    assert isinstance(one, np.ndarray)
+    np.testing.assert_allclose(one, xd.mean(0), rtol=1e-12)
+    listed = fns.listed(X)
+    assert isinstance(listed, list) and len(listed) == 1
+    np.testing.assert_allclose(listed[0], xd.mean(0), rtol=1e-12)
+
+
+def test_bcast_input_goes_whole_to_every_rank(fns, ranks):
+    """y has as many entries as x has rows: split, it would not fit any rank's share."""
+    xd = np.random.default_rng(3).uniform(0.5, 1.5, (3, 3))
+    yd = np.array([2.0, -1.0, 0.5])
+    got = fns.f(synk.data(xd), synk.data(yd))
+    np.testing.assert_allclose(got[5], xd + yd, rtol=1e-12)
+    np.testing.assert_allclose(got[0], (xd @ yd).mean(), rtol=1e-12)
+
+
+# --- batch ---------------------------------------------------------------------------------------
+
+N_BATCH_ROWS = 20
+BATCHES = {
+    "int": 6,
+    "np_int": np.int64(13),
+    "int_all": N_BATCH_ROWS,
+    "slice": slice(2, 9),
+    "slice_open_start": slice(None, 5),
+    "slice_negative_start": slice(-6, None),
+    "slice_negative_stop": slice(3, -4),
+    "slice_step": slice(1, None, 3),
+    "slice_reversed": slice(None, None, -1),
+    "slice_negative_step": slice(15, 2, -4),
+    "slice_negative_bounds_and_step": slice(-1, -8, -2),
+    "slice_past_end": slice(5, 100),
+    "list": [9, 0, 3, 3, 17],
+    "list_negative": [-1, 0, -20],
+    "list_one_row": [7],
+    "array_int32": np.array([4, 2, 19, 11], dtype=np.int32),
+    "array_uint8": np.array([1, 2, 3], dtype=np.uint8),
+    "array_reversed": np.arange(N_BATCH_ROWS)[::-1],
+    "shuffled": np.random.default_rng(0).permutation(N_BATCH_ROWS)[:11],
+}
+
+
+def selected(batch) -> np.ndarray:
+    """numpy: the rows that ``batch`` selects (an int k is rows [:k])."""
+    rows = np.arange(N_BATCH_ROWS)
+    if isinstance(batch, (int, np.integer)):
+        return rows[:batch]
+    return rows[batch]
+
+
+@pytest.mark.parametrize("batch", list(BATCHES.values()), ids=list(BATCHES))
+def test_batch_forms(fns, ranks, batch):
+    xd, yd = values(N_BATCH_ROWS, seed=1)
+    X, Y = synk.data(xd), synk.data(yd)
+    got = fns.f(X, Y, batch=batch)
+    assert_outputs(got, reference(xd[selected(batch)], yd, ranks))
+    np.testing.assert_array_equal(X.data, xd)  # batch reads, never writes, the Data
+
+
+def test_batch_list_and_array_give_same_result(fns):
+    xd, yd = values(N_BATCH_ROWS, seed=2)
+    X, Y = synk.data(xd), synk.data(yd)
+    idx = [3, 18, 0, 7]
+    a = fns.f(X, Y, batch=idx)
+    b = fns.f(X, Y, batch=np.array(idx))
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u, v)
+
+
+# --- minibatch Data ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch", [[11, 2, 2, 19, 5, 0, 8], slice(5, 12), slice(16, 3, -3), 4],
+                         ids=["list", "slice", "slice_step", "int"])
+def test_minibatch_data_position_i_is_row_i(fns, ranks, batch):
+    rng = np.random.default_rng(4)
+    xd = rng.uniform(0.5, 1.5, (N_BATCH_ROWS, 2))
+    rows = selected(batch)
+    zd = rng.uniform(0.5, 1.5, (len(rows) + 2, 2))  # longer than the batch is fine
+    X, Z = synk.data(xd), synk.data(zd, minibatch=True)
+    assert Z.minibatch
+    gathered, mean = fns.mb(X, Z, batch=batch)
+    np.testing.assert_allclose(gathered, xd[rows] + zd[:len(rows)], rtol=1e-12)
+    np.testing.assert_allclose(mean, (xd[rows] * zd[:len(rows)]).mean(), rtol=1e-12)
+
+
+def test_minibatch_shorter_than_batch_is_value_error(fns):
+    xd = np.ones((N_BATCH_ROWS, 2))
+    X, Z = synk.data(xd), synk.data(np.ones((3, 2)), minibatch=True)
+    for batch in ([0, 1, 2, 3], slice(0, 5), 4):
+        with pytest.raises(ValueError, match="minibatch"):
+            fns.mb(X, Z, batch=batch)
+    gathered, _ = fns.mb(X, Z, batch=[5, 6, 7])  # the group is fine
+    np.testing.assert_array_equal(gathered, np.full((3, 2), 2.0))
+
+
+def test_minibatch_without_batch_reads_every_row(fns):
+    xd, zd = np.arange(10.0).reshape(5, 2), np.ones((5, 2))
+    gathered, _ = fns.mb(synk.data(xd), synk.data(zd, minibatch=True))
+    np.testing.assert_array_equal(gathered, xd + 1)
+
+
+# --- keywords, output_subset, as_theano, build_inputs --------------------------------------------
+
+def test_keywords_name_inputs_by_their_name(fns, ranks):
+    xd, yd = values(9, seed=5)
+    X, Y = synk.data(xd), synk.data(yd)
+    expected = reference(xd, yd, ranks)
+    assert_outputs(fns.f(x=X, y=Y), expected)
+    assert_outputs(fns.f(X, y=Y), expected)
+    assert_outputs(fns.f(y=Y, x=X), expected)
+
+
+def test_output_subset_order_and_returns(fns, ranks):
+    xd, yd = values(11, seed=6)
+    X, Y = synk.data(xd), synk.data(yd)
+    expected = reference(xd, yd, ranks)
+    got = fns.f(X, Y, output_subset=[5, 0, 6])
+    assert isinstance(got, list) and len(got) == 3
+    for g, i in zip(got, [5, 0, 6]):
+        np.testing.assert_allclose(g, expected[i], rtol=1e-10)
+    # a subset that does not use the broadcast input y
+    got = fns.f(X, Y, output_subset=(1,))
+    assert isinstance(got, list) and len(got) == 1
+    np.testing.assert_allclose(got[0], expected[1], rtol=1e-12)
+    got = fns.f(X, Y, output_subset=np.array([4, 3]), batch=[0, 5, 6], num_slices=2)
+    np.testing.assert_allclose(got[0], xd[[0, 5, 6]].min(0), rtol=1e-12)
+    np.testing.assert_allclose(got[1], xd[[0, 5, 6]].max(0), rtol=1e-12)
+    assert_outputs(fns.f(X, Y), expected)  # the full function still returns everything
+
+
+@pytest.mark.parametrize("subset, exc", [([8], ValueError), ([-1], ValueError), ([0, 0], ValueError),
+                                         ("01", TypeError), (3, TypeError), ([1.0], TypeError),
+                                         ([True], TypeError)])
+def test_bad_output_subset(fns, ranks, subset, exc):
+    xd, yd = values(4)
+    X, Y = synk.data(xd), synk.data(yd)
+    with pytest.raises(exc, match="output_subset"):
+        fns.f(X, Y, output_subset=subset)
+    assert_outputs(fns.f(X, Y), reference(xd, yd, ranks))
+
+
+def test_as_theano_and_as_pytensor_run_the_whole_function_in_the_master(fns):
+    xd, yd = values(8, seed=7)
+    whole = fns.f_th(xd, yd)
+    for call in (fns.f.as_theano, fns.f.as_pytensor):
+        got = call(xd, yd)
+        for g, w in zip(got, whole):
+            np.testing.assert_allclose(g, w, rtol=1e-12)
+    got = fns.f.as_theano(synk.data(xd), y=yd)  # Data, and keywords, are fine too
+    np.testing.assert_allclose(got[6], xd.sum(), rtol=1e-12)  # one process: one value
+
+
+def test_build_inputs(fns, ranks):
+    xd, yd = values(6, seed=8)
+    X, Y = fns.f.build_inputs(xd.astype(np.float32), yd.astype(np.int32))  # safe casts to the inputs' dtypes
+    for d, name, value in ((X, "x", xd.astype(np.float32)), (Y, "y", yd.astype(np.int32))):
+        assert isinstance(d, synk.Data)
+        assert d.dtype == np.float64 and d.name == name and not d.minibatch and d.ndim == value.ndim
+        np.testing.assert_array_equal(d.data, value)
+    assert_outputs(fns.f(X, Y), reference(xd.astype(np.float32).astype(np.float64), yd.astype(np.int32), ranks))
+
+    X, Y = fns.f.build_inputs(x=xd, y=yd, minibatch=[True, False])
+    assert X.minibatch and not Y.minibatch
+    np.testing.assert_array_equal(Y.data, yd)
+
+    one = fns.single.build_inputs(xd)
+    assert isinstance(one, synk.Data) and one.name == "x"
+    np.testing.assert_allclose(fns.single(one), xd.mean(0), rtol=1e-12)
+
+    wide = xd.astype(np.longdouble)
+    with pytest.raises(TypeError):
+        fns.f.build_inputs(wide, yd)
+    X, Y = fns.f.build_inputs(wide, yd, force_cast=True, oversize=2)
+    assert X.dtype == np.float64 and X.alloc_size >= 2 * X.size
+    with pytest.raises(ValueError, match="minibatch"):
+        fns.f.build_inputs(xd, yd, minibatch=[True])
+
+
+def test_givens_and_pytensor_keyword_arguments(ranks):
+    x, v, y = pt.matrix("x", dtype="float64"), pt.vector("v", dtype="float64"), pt.vector("y", dtype="float64")
+    w = pytensor.shared(np.array([1.0, -2.0, 0.5]), name="w")
+    g = synk.function([x], pt.mean(x.dot(v)), givens={v: w})
+    unused = synk.function([x], pt.sum(x), bcast_inputs=[y], on_unused_input="ignore")
+    xd = np.random.default_rng(9).normal(size=(7, 3))
+    X = synk.data(xd)
+    np.testing.assert_allclose(g(X), (xd @ w.get_value()).mean(), rtol=1e-12)
+    assert unused.output_modes == ["avg"]
+    per_rank = [p.sum() for p in parts(xd, ranks)]
+    weights = [len(p) for p in parts(xd, ranks)]
+    np.testing.assert_allclose(unused(X, synk.data(np.zeros(2))), np.average(per_rank, weights=weights), rtol=1e-12)

@@ -1,0 +1,238 @@
+"""fork and close: calls before fork and after close, fork twice, fork again after close, argument
+checks, one rank, a master rank other than 0, the default number of ranks, max_n_var, profiles of
+workers, logs, and a worker that dies.  Each test forks its own group and closes it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pstats
+import signal
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from synk_testutil import TIMEOUT, assert_no_workers_left, own_entries, parts, worker_pids
+
+import synkhronos as synk
+from synkhronos.forking import gpu_count
+from synkhronos.runtime import current
+
+pytestmark = pytest.mark.timeout(TIMEOUT)
+
+
+@pytest.fixture(autouse=True)
+def closed_around():
+    """Every test starts and ends with no group."""
+    synk.close()
+    yield
+    synk.close()
+    assert_no_workers_left()
+
+
+def row_function():
+    x = pt.matrix("x", dtype="float64")
+    return synk.function([x], [(x * 2, None), (pt.sum(x), None), pt.mean(x, axis=0)])
+
+
+def check_row_function(f, xd: np.ndarray, n: int) -> None:
+    rows, sums, mean = f(synk.data(xd))
+    np.testing.assert_array_equal(rows, xd * 2)
+    np.testing.assert_allclose(sums, [p.sum() for p in parts(xd, n) if len(p)], rtol=1e-12)
+    np.testing.assert_allclose(mean, xd.mean(0), rtol=1e-12)
+
+
+def not_forked_calls(shared):
+    x = pt.matrix("x")
+    return {
+        "function": lambda: synk.function([x], pt.sum(x)),
+        "data": lambda: synk.data(np.ones(3)),
+        "distribute": synk.distribute,
+        "broadcast": lambda: synk.broadcast(shared),
+        "scatter": lambda: synk.scatter(shared, np.ones(3)),
+        "gather": lambda: synk.gather(shared),
+        "all_gather": lambda: synk.all_gather(shared),
+        "reduce": lambda: synk.reduce(shared),
+        "all_reduce": lambda: synk.all_reduce(shared),
+        "set_value": lambda: synk.set_value(0, shared, np.ones(3)),
+        "get_value": lambda: synk.get_value(0, shared),
+        "get_shapes": lambda: synk.get_shapes(shared),
+        "get_lengths": lambda: synk.get_lengths(shared),
+    }
+
+
+def test_calls_before_fork_are_runtime_errors():
+    shared = pytensor.shared(np.zeros(3), name="s")
+    for name, call in not_forked_calls(shared).items():
+        with pytest.raises(RuntimeError, match="fork"):
+            call()
+        assert current() is None, name
+    assert worker_pids() == []
+
+
+@pytest.mark.parametrize("kwargs, match", [({"n_parallel": 0}, "n_parallel"), ({"n_parallel": "2"}, "n_parallel"),
+                                           ({"n_parallel": 2, "master_rank": 2}, "master_rank"),
+                                           ({"n_parallel": 2, "master_rank": -1}, "master_rank"),
+                                           ({"n_parallel": 2, "max_n_var": 0}, "max_n_var")])
+def test_fork_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        synk.fork(use_gpu=False, **kwargs)
+    assert current() is None and worker_pids() == []
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
+def test_use_gpu_without_gpu_is_value_error():
+    with pytest.raises(ValueError, match="GPU"):
+        synk.fork(2, use_gpu=True)
+    assert current() is None and worker_pids() == []
+
+
+def test_fork_twice_close_and_fork_again():
+    assert synk.fork(2, use_gpu=False) == 2
+    prefix = current().group.prefix
+    assert len(worker_pids()) == 1
+    f = row_function()
+    xd = np.arange(14.0).reshape(7, 2)
+    D = synk.data(xd)
+    with pytest.raises(RuntimeError, match="already forked"):
+        synk.fork(2, use_gpu=False)
+    check_row_function(f, xd, 2)  # the first group is untouched
+
+    synk.close()
+    assert_no_workers_left()
+    assert own_entries(prefix) == []
+    shared = pytensor.shared(np.zeros(3), name="s")
+    for call in [lambda: f(D), *not_forked_calls(shared).values()]:
+        with pytest.raises(RuntimeError, match="fork"):
+            call()
+    synk.close()  # idempotent
+    np.testing.assert_array_equal(D.data, xd)  # Data stay usable in the master
+
+    assert synk.fork(3, use_gpu=False) == 3
+    assert len(worker_pids()) == 2
+    g = row_function()  # may get the same internal id as f
+    with pytest.raises(RuntimeError, match="closed"):
+        f(D)  # a function of the closed group
+    rows, sums, _ = g(D)  # a Data of the first group is known again on first use
+    np.testing.assert_array_equal(rows, xd * 2)
+    np.testing.assert_allclose(sums, [p.sum() for p in parts(xd, 3)])
+    check_row_function(g, xd[:5], 3)
+
+
+def test_one_rank():
+    assert synk.fork(1, use_gpu=False) == 1
+    assert worker_pids() == []
+    check_row_function(row_function(), np.arange(10.0).reshape(5, 2), 1)
+    s = pytensor.shared(np.arange(3.0), name="s")
+    synk.function([], pt.sum(s))
+    np.testing.assert_array_equal(synk.gather(s), [np.arange(3.0)])
+    synk.all_reduce(s, op="sum")
+    np.testing.assert_array_equal(s.get_value(), np.arange(3.0))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_master_rank_other_than_zero(n):
+    """With the master as rank 1, rank 0 (a worker) gets the first rows and comes first in gathers."""
+    assert synk.fork(n, use_gpu=False, master_rank=1) == n
+    f = row_function()
+    check_row_function(f, np.arange(22.0).reshape(11, 2), n)
+    s = pytensor.shared(np.zeros(2), name="s")
+    synk.function([], pt.sum(s))
+    for r in range(n):
+        synk.set_value(r, s, np.full(2, float(r)))
+    np.testing.assert_array_equal(synk.gather(s), np.repeat(np.arange(float(n)), 2).reshape(n, 2))
+    np.testing.assert_array_equal(s.get_value(), [1.0, 1.0])  # the master's own value is rank 1's
+    np.testing.assert_array_equal(synk.get_value(1, s), s.get_value())
+    synk.reduce(s, op="max")
+    np.testing.assert_array_equal(s.get_value(), [n - 1.0] * 2)
+    np.testing.assert_array_equal(synk.get_value(0, s), [0.0, 0.0])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) > 4, reason="one worker per core would be too many here")
+def test_default_n_parallel_is_every_core():
+    """Without a GPU, fork() with no arguments is CPU mode on every core."""
+    n = synk.fork() if gpu_count() == 0 else synk.fork(use_gpu=False)
+    assert n == len(os.sched_getaffinity(0))
+    assert current().device.kind == "cpu"
+    check_row_function(row_function(), np.arange(12.0).reshape(6, 2), n)
+
+
+def worker_environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def test_workers_get_the_master_configuration_and_a_share_of_the_cores():
+    """floatX and the compile directory (the master's compile cache) reach every worker; CPU workers
+    limit their BLAS/OpenMP/Numba threads to their share of the cores unless the user set them."""
+    with pytensor.config.change_flags(floatX="float32"):
+        synk.fork(2, use_gpu=False)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    for pid in worker_pids():
+        env = worker_environ(pid)
+        flags = env["PYTENSOR_FLAGS"].split(",")
+        assert "floatX=float32" in flags
+        assert f"base_compiledir={pytensor.config.base_compiledir}" in flags
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+            assert env[var] == os.environ.get(var, share), var
+
+
+def test_max_n_var_limits_the_data_arguments_and_output_indices():
+    synk.fork(2, use_gpu=False, max_n_var=3)
+    xs = [pt.matrix(f"x{i}", dtype="float64") for i in range(4)]
+    three = synk.function(xs[:3], [pt.sum(x) for x in xs[:3]])
+    four = synk.function(xs, (sum(pt.sum(x) for x in xs), "sum"))
+    D = synk.data(np.ones((4, 2)))
+    with pytest.raises(ValueError, match="max_n_var"):
+        four(D, D, D, D)
+    with pytest.raises(ValueError, match="max_n_var"):
+        three(D, D, D, output_subset=[0])  # 3 Data + 1 output index
+    got = three(D, D, D)
+    np.testing.assert_allclose(got, [4.0, 4.0, 4.0])  # avg of per-rank sums weighted by rows
+    assert three(D, D, output_subset=None, x2=D)[0] == 4.0
+
+
+def test_profile_workers_writes_a_profile_per_worker(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    synk.fork(3, use_gpu=False, profile_workers=True)
+    check_row_function(row_function(), np.arange(8.0).reshape(4, 2), 3)
+    synk.close()
+    assert_no_workers_left()
+    for rank in (1, 2):
+        path = tmp_path / f"synkhronos_worker_rank{rank}.prof"
+        assert path.exists(), sorted(p.name for p in tmp_path.iterdir())
+        assert pstats.Stats(str(path)).total_calls > 0
+
+
+def test_fork_and_distribute_log_what_they_did(caplog):
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        synk.fork(2, use_gpu=False)
+        row_function()
+        synk.distribute()
+    text = caplog.text
+    assert "2 ranks" in text and "CPU" in text
+    assert "distributed 1 function" in text
+
+
+def test_a_worker_that_dies_fails_the_next_call_quickly():
+    synk.fork(3, use_gpu=False)
+    prefix = current().group.prefix
+    f = row_function()
+    xd = np.arange(12.0).reshape(6, 2)
+    check_row_function(f, xd, 3)
+    victim = worker_pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(synk.WorkerDiedError, match="died"):
+        f(synk.data(xd))
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RuntimeError, match="closed"):
+        f(synk.data(xd))
+    synk.close()
+    assert_no_workers_left()
+    assert own_entries(prefix) == []
+    synk.fork(2, use_gpu=False)  # a new group works
+    check_row_function(row_function(), xd, 2)
