@@ -227,6 +227,14 @@ def call_overhead(n: int, iters: int = 2000) -> tuple[float, float]:
     for _ in range(iters):
         np.asarray(g(a))
     plain = (time.perf_counter() - t0) / iters
+    if os.environ.get("SYNK_BENCH_PROFILE"):
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as prof:
+            for _ in range(200):
+                f(xd)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     synk.close()
     return ours, plain
 

@@ -23,6 +23,8 @@ class Device:
 
     kind = "abstract"
     use_gpu = False
+    xp: Any = np
+    """The array module of values computed in this rank (numpy; jax.numpy on GPUs)."""
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The keyword arguments for ``pytensor.function`` in this mode."""
@@ -79,4 +81,4 @@ class CpuDevice(Device):
         return len(var.get_value(borrow=True))
 
     def put_update(self, var: SharedVariable, value: Any) -> None:
-        var.set_value(value, borrow=True)
+        var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)

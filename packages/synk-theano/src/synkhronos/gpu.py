@@ -95,6 +95,7 @@ class GpuDevice(Device):
         if pytensor.config.floatX == "float64":
             jax.config.update("jax_enable_x64", True)
         self.jax = jax
+        self.xp = jax.numpy
         self.device = jax.devices()[0]
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -39,24 +39,28 @@ def check_op(op: Any, what: str, allowed: Sequence[str] = OUTPUT_OPS) -> str:
     return name.lower()
 
 
-def combine(op: str, values: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
-    """Combine per-part values by ``op`` (see the module docstring); parts of weight 0 are skipped."""
-    parts = [(np.asarray(v), w) for v, w in zip(values, weights) if w > 0]
+def combine(op: str, values: Sequence[Any], weights: Sequence[float], xp: Any = np) -> Any:
+    """Combine per-part values by ``op`` (see the module docstring); parts of weight 0 are skipped.
+
+    ``xp`` is the array module of the values: numpy (host), or ``jax.numpy`` for update values
+    that stay on the GPU.  A single part is returned as it is.
+    """
+    parts = [(v if xp is not np else np.asarray(v), w) for v, w in zip(values, weights) if w > 0]
     if not parts:
         raise ValueError("no part computed anything (every rank had 0 rows)")
     if op == "gather":
         arrays = [v for v, _ in parts]
-        return np.stack(arrays) if arrays[0].ndim == 0 else np.concatenate(arrays, axis=0)
+        return xp.stack(arrays) if arrays[0].ndim == 0 else xp.concatenate(arrays, axis=0)
     if len(parts) == 1:
         return parts[0][0]
+    first = parts[0][0]
     if op == "avg":
         total = float(sum(w for _, w in parts))
         acc = sum(v * (w / total) for v, w in parts)
-        first = parts[0][0]
-        dtype = first.dtype if first.dtype.kind in "fc" else np.float64
-        return np.asarray(acc, dtype=dtype)
-    ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
-    out = np.array(parts[0][0], copy=True)
+        dtype = first.dtype if np.dtype(first.dtype).kind in "fc" else np.float64
+        return xp.asarray(acc, dtype=dtype)
+    binary = {"sum": xp.add, "prod": xp.multiply, "max": xp.maximum, "min": xp.minimum}[op]
+    out = first
     for v, _ in parts[1:]:
-        out = ufunc(out, v)
-    return np.asarray(out, dtype=parts[0][0].dtype)
+        out = binary(out, v)
+    return xp.asarray(out, dtype=first.dtype)

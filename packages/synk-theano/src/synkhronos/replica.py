@@ -131,9 +131,9 @@ class Replica:
         if not outs_per_slice:
             return []
         outputs = [combine(ops[i], [o[i] for o in outs_per_slice], weights) for i in range(n_out)]
-        for j, (var, _) in enumerate(spec.updates):
-            value = combine(spec.update_ops[j], [o[n_out + j] for o in outs_per_slice], weights)
-            device.put_update(var, np.asarray(value, dtype=var.type.dtype))
+        for j, (var, _) in enumerate(spec.updates):  # combined where they live (GPU: no host round trip)
+            value = combine(spec.update_ops[j], [o[n_out + j] for o in outs_per_slice], weights, xp=device.xp)
+            device.put_update(var, value)
         return outputs
 
 
