@@ -303,7 +303,12 @@ class Function:
         inputs; numpy arrays or Data).  Only the master's shared values change."""
         values = [np.asarray(a) for a in args]
         named = {k: np.asarray(v) for k, v in kwargs.items()}
-        return self._replica.full()(*values, **named)
+        fn = self._replica.full()
+        fn.trust_input = False  # user values: let PyTensor check and convert them
+        try:
+            return fn(*values, **named)
+        finally:
+            fn.trust_input = True
 
     as_pytensor = as_theano
 
