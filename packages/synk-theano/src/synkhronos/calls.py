@@ -169,11 +169,13 @@ def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[np.ndarray]]:
     return weight, outputs
 
 
-def share(rt: Runtime, plan: CallPlan) -> list[list[np.ndarray]] | None:
-    """Execute this rank's share and send it to the master (the master gets every rank's)."""
+def share(rt: Runtime, plan: CallPlan) -> list[np.ndarray]:
+    """Execute this rank's share: ``[weight, *outputs]``, which a worker replies to the master."""
     weight, outputs = execute(rt, plan)
-    return rt.group.host.gather_arrays([np.array(weight), *(np.asarray(o) for o in outputs)],
-                                       root=rt.group.master_rank)
+    result = [np.array(weight), *(np.asarray(o) for o in outputs)]
+    if not rt.is_master:
+        rt.group.reply(result)
+    return result
 
 
 def normalise_positions(total: int, size: int) -> np.ndarray:

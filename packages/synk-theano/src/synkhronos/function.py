@@ -129,9 +129,10 @@ class Function:
                              f"{len(group.scratch)}: fork with a larger max_n_var")
         calls.encode(plan, group.scratch, rt.size)
         with group.command(CALL):
-            shares = calls.share(rt, plan)
-        assert shares is not None
-        return self._combine(shares, subset)
+            own = calls.share(rt, plan)
+        shares = group.replies()
+        shares[rt.rank] = own
+        return self._combine([shares[r] for r in range(rt.size)], subset)
 
     def _combine(self, shares: list[list[np.ndarray]], subset: tuple[int, ...] | None) -> Any:
         spec = self._spec
@@ -214,12 +215,13 @@ class Function:
                 raise ValueError("batch selects rows of scattered inputs; this function has none")
             return 0, 0, 0
         full = [d for d in scattered if not d.minibatch]
-        lengths = {describe(v): len(d) for v, d in zip(self._spec.inputs, scattered)}
         if batch is None:
-            if len(set(lengths.values())) > 1:
-                raise ValueError(f"the scattered inputs have different lengths {lengths}; pass batch= to "
-                                 "select the same rows of each")
-            return 0, 0, next(iter(lengths.values()))
+            n = len(scattered[0])
+            if any(len(d) != n for d in scattered):
+                raise ValueError(f"the scattered inputs have different lengths {self._lengths(scattered)}; pass "
+                                 "batch= to select the same rows of each")
+            return 0, 0, n
+        lengths = self._lengths(scattered)
         limit = min((len(d) for d in full), default=None)
         if isinstance(batch, (bool, np.bool_)):
             raise TypeError(f"batch must be an int, a slice, or integer indices, got {batch!r}")
@@ -253,6 +255,9 @@ class Function:
             self._check_minibatch(scattered, total)
         index_parts.append(index)
         return 1, 0, total
+
+    def _lengths(self, scattered: list[Data]) -> dict[str, int]:
+        return {describe(v): len(d) for v, d in zip(self._spec.inputs, scattered)}
 
     def _check_minibatch(self, scattered: list[Data], total: int) -> None:
         for var, d in zip(self._spec.inputs, scattered):
