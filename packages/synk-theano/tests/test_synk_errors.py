@@ -110,6 +110,8 @@ CALL_ERRORS = {
         synk.data(e.zd[:3], minibatch=True), batch=4)),
     "batch_s_per_rank_wrong_count": (TypeError, "batch_s", lambda e: e.fs(batch_s=[[0]] * (e.ranks + 1))),
     "batch_s_slice_step_zero": (ValueError, "zero", lambda e: e.fs(batch_s=slice(0, 2, 0))),
+    "batch_empty_list": (ValueError, "no rows", lambda e: e.f(e.X, e.Z, e.Y, batch=[])),
+    "batch_zero_rows": (ValueError, "no rows", lambda e: e.f(e.X, e.Z, e.Y, batch=0)),
 }
 
 
@@ -205,3 +207,19 @@ def test_a_worker_error_names_its_rank_and_the_group_stays_usable(env):
 def test_index_parts_of_a_rank_follow_numpy_split(env):
     """Sanity of the references used above: S was scattered as numpy.array_split does."""
     assert synk.get_lengths(env.S) == [len(p) for p in parts(env.Sd, env.ranks)]
+
+
+def test_more_dimensions_than_max_dim_is_a_value_error_naming_it(env):
+    t5 = pt.TensorType("float64", shape=(None,) * 17)("t17")
+    with pytest.raises(ValueError, match="max_dim"):
+        synk.function([t5], outputs=t5.sum())
+    env.assert_intact_and_usable(env.values())
+
+
+def test_one_variable_takes_a_python_list_as_its_one_value(env):
+    before = env.values()
+    synk.broadcast(env.c, [5.0, 6.0])
+    np.testing.assert_array_equal(synk.gather(env.c), np.tile([5.0, 6.0], (env.ranks, 1)))
+    synk.broadcast(env.c, before[0][0])
+    synk.set_value(0, env.c, before[0][0])
+    np.testing.assert_array_equal(synk.gather(env.c), before[0])

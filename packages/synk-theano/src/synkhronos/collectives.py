@@ -32,7 +32,7 @@ from synk_comm import Group, handler
 from synk_comm.ops import as_op
 from synk_shm import Data
 from synkhronos.calls import as_index_array, normalise_positions
-from synkhronos.data_registry import data_id
+from synkhronos.data_registry import data_id, flush_dropped
 from synkhronos.runtime import Runtime, describe, get_runtime
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce", "set_value",
@@ -60,6 +60,7 @@ def _prepare(shared_vars: Any) -> tuple[Runtime, list[Any], list[int], bool]:
         if not isinstance(var, SharedVariable):
             raise TypeError(f"collectives work on PyTensor shared variables, got {var!r}")
     ensure_distributed(rt)
+    flush_dropped(rt)
     sids = []
     for var in variables:
         sid = rt.shared_ids.get(var)
@@ -70,9 +71,12 @@ def _prepare(shared_vars: Any) -> tuple[Runtime, list[Any], list[int], bool]:
     return rt, variables, sids, single
 
 
-def _values(rt: Runtime, variables: list[Any], values: Any, what: str) -> list[Any]:
-    """Check and encode values (Data -> its data id; numpy -> the array, cast safely)."""
-    listed = list(values) if isinstance(values, (list, tuple)) else [values]
+def _values(rt: Runtime, variables: list[Any], values: Any, what: str, single: bool) -> list[Any]:
+    """Check and encode values (Data -> its data id; numpy -> the array, cast safely).
+
+    For one variable (not in a list), ``values`` is its one value, even a Python list.
+    """
+    listed = [values] if single or not isinstance(values, (list, tuple)) else list(values)
     if len(listed) != len(variables):
         raise ValueError(f"{what}: {len(variables)} shared variable(s) but {len(listed)} value(s)")
     out: list[Any] = []
@@ -130,16 +134,16 @@ def _result(values: Sequence[Any], single: bool) -> Any:
 def broadcast(shared_vars: Any, values: Any = None, nccl: bool = True) -> None:
     """Every rank's value becomes the master's (or the given ``values``: Data or numpy, one per
     variable)."""
-    rt, variables, sids, _ = _prepare(shared_vars)
-    encoded = None if values is None else _values(rt, variables, values, "broadcast")
+    rt, variables, sids, single = _prepare(shared_vars)
+    encoded = None if values is None else _values(rt, variables, values, "broadcast", single)
     _run(rt, "broadcast", sids=sids, values=encoded, nccl=nccl)
 
 
 def scatter(shared_vars: Any, values: Any, batch: Any = None) -> None:
     """Rank ``r`` gets part ``r`` of each value (rows of ``batch`` only), split along axis 0 as
     evenly as possible (the first ranks get one row more)."""
-    rt, variables, sids, _ = _prepare(shared_vars)
-    encoded = _values(rt, variables, values, "scatter")
+    rt, variables, sids, single = _prepare(shared_vars)
+    encoded = _values(rt, variables, values, "scatter", single)
     for var in variables:
         if var.type.ndim < 1:
             raise ValueError(f"scatter: {describe(var)} is 0-d; it has no rows to split")
@@ -212,9 +216,9 @@ def all_reduce(shared_vars: Any, op: str = "avg", nccl: bool = True) -> None:
 
 def set_value(rank: int, shared_vars: Any, values: Any, batch: Any = None) -> None:
     """Set the value(s) in one rank (rows of ``batch`` of each value)."""
-    rt, variables, sids, _ = _prepare(shared_vars)
+    rt, variables, sids, single = _prepare(shared_vars)
     _check_rank(rt, rank)
-    encoded = _values(rt, variables, values, "set_value")
+    encoded = _values(rt, variables, values, "set_value", single)
     rows = [_rows(batch, _length(rt, e)) if var.type.ndim else ...  # 0-d: the whole value
             for var, e in zip(variables, encoded)]
     _run(rt, "set_value", sids=sids, values=encoded, rows=rows, target=int(rank))

@@ -71,7 +71,8 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         Argument slots of a call (Data arguments and output indices): a call that needs more is
         a ValueError that names this parameter.
     max_dim : int
-        Kept for compatibility with Synkhronos 1.0 (shapes of any ndim are handled).
+        The most dimensions of any input, output or sliceable shared of a function: more is a
+        ValueError in :func:`synkhronos.function` that names this parameter.
 
     Returns
     -------
@@ -125,7 +126,9 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu else 200))
     group = synk_comm.start(n_parallel, imports=["synkhronos.worker"], master_rank=master_rank,
                             devices=devices, env=env, scratch_size=scratch, spin_us=spin)
-    set_current(Runtime(group, device))
+    rt = Runtime(group, device)
+    rt.max_dim = max_dim
+    set_current(rt)
     log.info("synkhronos: %d ranks in %s mode (master rank %d%s) ready in %.2f s", n_parallel,
              "GPU" if use_gpu else "CPU", master_rank, f", GPUs {devices}" if devices else "",
              time.perf_counter() - t0)

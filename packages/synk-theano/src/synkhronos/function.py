@@ -119,6 +119,7 @@ class Function:
         from synkhronos.distribution import ensure_distributed
 
         ensure_distributed(rt)
+        data_registry.flush_dropped(rt)
         datas = self._bind(args, kwargs)
         subset = self._subset(output_subset)
         plan = self._plan(rt, datas, subset, batch, batch_s, num_slices)
@@ -202,6 +203,9 @@ class Function:
         scattered = datas[:len(spec.inputs)]
         index_parts: list[np.ndarray] = []
         kind, start, total = self._batch(scattered, batch, index_parts)
+        if scattered and total == 0:
+            raise ValueError("the call selects no rows of the scattered inputs (empty Data or an empty batch): "
+                             "nothing to compute")
         bs_kind, bs = self._batch_s(rt, batch_s, index_parts)
         index_did = data_registry.write_indices(rt, np.concatenate(index_parts)) if index_parts else -1
         return calls.CallPlan(spec.fid, int(num_slices), kind, start,
@@ -407,6 +411,10 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
             raise TypeError(f"sliceable_shareds must be shared variables, got {var!r}")
         if var.type.ndim < 1:
             raise ValueError(f"sliceable shared {describe(var)} is 0-d: it has no rows to slice")
+    for var in [*inputs, *bcast, *outs, *sliceable]:
+        if getattr(var.type, "ndim", 0) > rt.max_dim:
+            raise ValueError(f"{describe(var)} has ndim {var.type.ndim}, more than fork(max_dim={rt.max_dim}): "
+                             "fork with a larger max_dim")
     name = kwargs.pop("name", None)
     spec = FunctionSpec(fid=data_registry.next_function_id(rt), name=name, inputs=inputs, bcast_inputs=bcast,
                         outputs=outs, output_ops=output_ops, single_output=single, updates=pairs,
