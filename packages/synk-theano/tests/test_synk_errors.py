@@ -187,17 +187,17 @@ def test_bad_function_definition_raises_at_function(env, case):
     raises_before_workers_act(env, exc, match, lambda: action(env))
 
 
-def test_a_worker_error_names_its_rank_and_the_group_stays_usable(env):
-    """An error only a worker can see (its own sliceable rows are fewer): WorkerError with the rank and
-    the worker's traceback (the other ranks computed their shares: this function updates nothing)."""
+def test_a_selection_only_a_worker_can_check_names_its_rank_and_nobody_computes(env):
+    """An error only a worker can see (its own sliceable rows are fewer): every rank checks its rows,
+    then all meet at a barrier before computing, so the worker's IndexError/ValueError reaches the
+    master as synk.SelectionError naming the rank, and no rank computed or changed anything."""
     last = env.ranks - 1
     synk.set_value(last, env.S, np.ones((1, 2)))
     try:
         before = env.values()
-        with pytest.raises(synk.WorkerError) as info:
+        with pytest.raises(synk.SelectionError, match=f"rank {last}: batch_s index out of range") as info:
             env.fs(batch_s=[1])  # rank `last` holds one row only
-        assert info.value.ranks == [last]
-        assert f"rank {last}" in str(info.value) and "Traceback" in str(info.value)
+        assert isinstance(info.value, IndexError) and isinstance(info.value, ValueError)
         np.testing.assert_array_equal(env.values()[0], before[0])
     finally:
         synk.scatter(env.S, env.Sd)

@@ -31,6 +31,7 @@ Example
 
 from synk_comm import GroupBrokenError, WorkerDiedError, WorkerError
 from synk_shm import Data
+from synkhronos.calls import SelectionError
 from synkhronos.collectives import (
                                     all_gather,
                                     all_reduce,
@@ -48,7 +49,7 @@ from synkhronos.distribution import distribute
 from synkhronos.forking import close, fork
 from synkhronos.function import Function, function
 
-__all__ = ["Data", "Function", "GroupBrokenError", "WorkerDiedError", "WorkerError", "all_gather",
+__all__ = ["Data", "Function", "GroupBrokenError", "SelectionError", "WorkerDiedError", "WorkerError", "all_gather",
            "all_reduce", "broadcast", "close", "data", "distribute", "fork", "function", "gather",
            "get_lengths", "get_shapes", "get_value", "reduce", "scatter", "set_value"]
 __version__ = "0.1.0"

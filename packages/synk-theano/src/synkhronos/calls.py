@@ -29,7 +29,12 @@ import numpy as np
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime
 
-__all__ = ["CallPlan", "encode", "decode", "execute"]
+__all__ = ["CallPlan", "SelectionError", "decode", "encode", "execute"]
+
+
+class SelectionError(IndexError, ValueError):
+    """A rank's rows of its sliceable shared variables do not fit the call (found by that rank,
+    before any rank computes: the ranks pass a barrier between checking and computing)."""
 
 NONE = np.iinfo(np.int64).min
 """Stands for ``None`` in a slice bound."""
@@ -102,7 +107,7 @@ def _sliceable_rows(rt: Runtime, rep: Replica, plan: CallPlan) -> tuple[list[Any
             return None, lengths[0]
         if len(set(lengths)) > 1:
             names = ", ".join(f"{v.name or v}: {n}" for v, n in zip(spec.sliceable, lengths))
-            raise ValueError(f"rank {rt.rank}: the sliceable shared variables have different lengths "
+            raise SelectionError(f"rank {rt.rank}: the sliceable shared variables have different lengths "
                              f"({names}); pass batch_s= to select the same number of rows from each")
         return [slice(0, n, 1) for n in lengths], lengths[0]
     assert plan.bs is not None
@@ -115,7 +120,7 @@ def _sliceable_rows(rt: Runtime, rep: Replica, plan: CallPlan) -> tuple[list[Any
         idx = _indices(rt, plan)[a:a + b]
         for var, n in zip(spec.sliceable, lengths):
             if len(idx) and (idx.max() >= n or idx.min() < -n):
-                raise IndexError(f"rank {rt.rank}: batch_s index out of range for {var.name or var} "
+                raise SelectionError(f"rank {rt.rank}: batch_s index out of range for {var.name or var} "
                                  f"of length {n}")
         rows = [idx] * len(lengths)
         counts = [len(idx)] * len(lengths)
@@ -155,14 +160,18 @@ def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[np.ndarray]]:
     if n_in:
         n_rows = p1 - p0
         if s_rows is not None and s_rows != n_rows and (plan.num_slices > 1 or plan.bs_kind):
-            raise ValueError(f"rank {rt.rank}: {n_rows} scattered rows but {s_rows} rows of the sliceable "
-                             "shared variables; under num_slices/batch_s they must match in every rank")
+            raise SelectionError(f"rank {rt.rank}: {n_rows} scattered rows but {s_rows} rows of the sliceable "
+                                 "shared variables; under num_slices/batch_s they must match in every rank")
         weight = float(n_rows)
     elif s_rows is not None:
         n_rows = s_rows
         weight = float(n_rows)
     else:
         n_rows, weight = 1, 1.0
+    if spec.sliceable and (plan.bs_kind or plan.num_slices > 1):
+        # Only each rank knows its sliceable rows: every rank checks them (above), then all meet
+        # here, so that no rank computes (and updates) when another rank's check failed.
+        rt.group.barrier()
     if weight == 0:
         return 0.0, []
     outputs = rep.run(scattered, bcast, sliceable_rows, plan.subset, plan.num_slices, n_rows)

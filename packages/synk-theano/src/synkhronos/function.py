@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from synk_comm import WorkerError
 from synk_shm import Data
 from synkhronos import calls, data_registry
 from synkhronos.reduce_ops import combine
@@ -129,8 +130,13 @@ class Function:
             raise ValueError(f"this call needs {length} argument slots; fork(max_n_var=...) reserved "
                              f"{len(group.scratch)}: fork with a larger max_n_var")
         calls.encode(plan, group.scratch, rt.size)
-        with group.command(CALL):
-            own = calls.share(rt, plan)
+        try:
+            with group.command(CALL):
+                own = calls.share(rt, plan)
+        except WorkerError as exc:
+            if all(e.type_name == "SelectionError" for e in exc.errors):
+                raise calls.SelectionError("; ".join(e.message for e in exc.errors)) from None
+            raise
         shares = group.replies()
         shares[rt.rank] = own
         return self._combine([shares[r] for r in range(rt.size)], subset)
