@@ -380,3 +380,16 @@ def test_import_without_pytensor(tmp_path):
     proc = run_python([str(script)], extra_path=[str(tmp_path / "blocked")])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_worker_errors_survive_pickling() -> None:
+    import pickle
+
+    from synk_comm.errors import RemoteError
+
+    err = synk_comm.WorkerError([RemoteError(1, "KeyError", "'k'", "Traceback ...")])
+    back = pickle.loads(pickle.dumps(err))
+    assert back.ranks == [1] and str(back) == str(err)
+    died = synk_comm.WorkerDiedError(2, 1234, -9, " It said hello.")
+    back_died = pickle.loads(pickle.dumps(died))
+    assert (back_died.rank, back_died.pid, back_died.returncode) == (2, 1234, -9) and str(back_died) == str(died)

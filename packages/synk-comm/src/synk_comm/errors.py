@@ -42,14 +42,21 @@ class WorkerError(RuntimeError):
     def ranks(self) -> list[int]:
         return [e.rank for e in self.errors]
 
+    def __reduce__(self) -> tuple[type, tuple[list[RemoteError]]]:
+        return (type(self), (self.errors,))
+
 
 class WorkerDiedError(RuntimeError):
     """A worker process ended without being asked to (crash, kill, OOM); the group is closed."""
 
     def __init__(self, rank: int, pid: int, returncode: int | None, detail: str = "") -> None:
         self.rank, self.pid, self.returncode = rank, pid, returncode
+        self.detail = detail
         super().__init__(f"rank {rank} (pid {pid}) died: {describe_exit(returncode)}.{detail} The group "
                          "is closed; start a new one (synkhronos: call fork() again).")
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, int | None, str]]:
+        return (type(self), (self.rank, self.pid, self.returncode, self.detail))
 
 
 class GroupBrokenError(RuntimeError):
