@@ -180,7 +180,7 @@ class Group:
         self._broken = (f"rank {rank} died ({describe_exit(proc.returncode)}); the group is closed: "
                         "start a new one")
         self.control.header[ABORT] = self.rank + 1
-        self._shutdown(timeout=2.0)
+        self._shutdown(timeout=0.5)  # the group is lost: the others get half a second to exit
         raise WorkerDiedError(rank, proc.pid, proc.returncode, detail)
 
     # -- lock-step ------------------------------------------------------------------------------
