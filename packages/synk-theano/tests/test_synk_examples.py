@@ -22,6 +22,9 @@ EXPECTED = {
     # the numbers printed in the seed's documentation
     "shared_variables.py": ["s after PyTensor call (master only): [10. 10.]", "gathered s: [[3. 3.] [7. 7.]]",
                             "gathered s after reduce: [[10. 10.] [ 7. 7.]]", "all-reduce: [[10. 10.] [10. 10.]]"],
+    "data_interface.py": ["after set_length(8): (8, 2) alloc_size 32", "after free_memory: None allocated: False"],
+    "per_rank_values.py": ["lengths: [1, 2, 3]"],
+    "batch_vs_batch_s.py": ["batch_s slice(0, 2) -> [ 0. 2. 10. 12.]"],
 }
 
 
