@@ -4,7 +4,6 @@ shared variable -- even of a different shape -- read and written by rank, gather
 
 import numpy as np
 import pytensor
-import pytensor.tensor as pt
 
 import synkhronos as synk
 
