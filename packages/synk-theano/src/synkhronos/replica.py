@@ -24,21 +24,11 @@ from synkhronos.device import Device
 from synkhronos.reduce_ops import combine
 from synkhronos.spec import FunctionSpec
 
-__all__ = ["Replica", "LocalResult"]
+__all__ = ["Replica"]
 
 log = logging.getLogger("synkhronos")
 
 Subset = tuple[int, ...] | None
-
-
-class LocalResult:
-    """A rank's share of a call: its weight (rows computed) and its combined outputs."""
-
-    __slots__ = ("outputs", "weight")
-
-    def __init__(self, weight: float, outputs: list[np.ndarray]) -> None:
-        self.weight = weight
-        self.outputs = outputs
 
 
 class Replica:
@@ -62,34 +52,34 @@ class Replica:
         return kwargs
 
     def full(self, subset: Subset = None) -> Any:
+        """``inputs + bcast_inputs -> outputs``, updates applied by PyTensor (one pass)."""
         fn = self._full.get(subset)
         if fn is None:
-            import pytensor
-
-            t0 = time.perf_counter()
             spec = self.spec
-            fn = pytensor.function(spec.all_inputs, self._outputs(subset), updates=spec.updates,
-                                   givens=spec.givens or None, name=spec.name, **self._kwargs(subset))
-            self.compile_seconds += time.perf_counter() - t0
-            fn.trust_input = True  # inputs are checked in the master (dtype, ndim) before any call
-            self._full[subset] = fn
+            fn = self._full[subset] = self._compile(spec.all_inputs, self._outputs(subset), spec.updates,
+                                                    spec.givens, subset)
         return fn
 
     def parts(self, subset: Subset = None) -> Any:
+        """``inputs + bcast_inputs + sliceable stand-ins -> outputs + update values`` (per slice)."""
         fn = self._parts.get(subset)
         if fn is None:
-            import pytensor
-
-            t0 = time.perf_counter()
             spec = self.spec
             stand_ins = [var.type() for var in spec.sliceable]
-            givens = [*spec.givens, *zip(spec.sliceable, stand_ins)]
-            outputs = self._outputs(subset) + [expr for _, expr in spec.updates]
-            fn = pytensor.function([*spec.all_inputs, *stand_ins], outputs, givens=givens or None,
-                                   name=spec.name, **self._kwargs(subset))
-            self.compile_seconds += time.perf_counter() - t0
-            fn.trust_input = True  # inputs are checked in the master (dtype, ndim) before any call
-            self._parts[subset] = fn
+            fn = self._parts[subset] = self._compile(
+                [*spec.all_inputs, *stand_ins], self._outputs(subset) + [expr for _, expr in spec.updates], [],
+                [*spec.givens, *zip(spec.sliceable, stand_ins)], subset)
+        return fn
+
+    def _compile(self, inputs: list[Any], outputs: list[Any], updates: list[Any], givens: list[Any],
+                 subset: Subset) -> Any:
+        import pytensor
+
+        t0 = time.perf_counter()
+        fn = pytensor.function(inputs, outputs, updates=updates, givens=givens or None, name=self.spec.name,
+                               **self._kwargs(subset))
+        self.compile_seconds += time.perf_counter() - t0
+        fn.trust_input = True  # inputs are checked in the master (dtype, ndim) before any call
         return fn
 
     def shared_vars(self) -> list[Any]:
