@@ -68,6 +68,9 @@ __all__ = ["Group", "start", "spawn", "handler", "current_group"]
 log = logging.getLogger(__name__)
 
 EXIT = -1
+ABANDONED_GRACE_S = 0.5
+"""Seconds :meth:`Group.close` waits for workers still busy with an interrupted command before it
+kills them."""
 HANDLERS: dict[str, Callable[[Group, Any], Any]] = {}
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -449,6 +452,11 @@ class Group:
             header[CMD] = EXIT  # ...and then finds EXIT waiting
             for r in self.workers:
                 self.sems.go[r].release()
+        if self._pending:
+            # A command the master abandoned (KeyboardInterrupt) still runs in the workers: they would
+            # finish it before they see EXIT.  Nothing will read its results: a short grace, then kill
+            # (their segments are the group's, unlinked below).
+            timeout = min(timeout, ABANDONED_GRACE_S)
         deadline = time.monotonic() + timeout
         for proc in self._procs.values():
             try:
@@ -529,10 +537,15 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
     ------
     ValueError
         For a bad ``size``, ``master_rank`` or ``devices``.
+    RuntimeError
+        If called in a worker of a running group (only a master starts groups).
     WorkerError, WorkerDiedError
         If a worker failed to start (its traceback is in the message).
     """
     global _current
+    if _current is not None and not _current.is_master and not _current.closed:
+        raise RuntimeError(f"synk_comm.start() was called in worker rank {_current.rank} of a running group "
+                           f"(pid {os.getpid()}): only the master process starts groups; do this in the master")
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
     if not 0 <= master_rank < size:

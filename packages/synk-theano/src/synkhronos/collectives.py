@@ -72,9 +72,10 @@ def _prepare(shared_vars: Any) -> tuple[Runtime, list[Any], list[int], bool]:
 
 
 def _values(rt: Runtime, variables: list[Any], values: Any, what: str, single: bool) -> list[Any]:
-    """Check and encode values (Data -> its data id; numpy -> the array, cast safely).
+    """Check values: ``("data", Data)`` or ``("array", numpy array cast safely)``, one per variable.
 
-    For one variable (not in a list), ``values`` is its one value, even a Python list.
+    For one variable (not in a list), ``values`` is its one value, even a Python list.  Nothing
+    reaches the workers here: :func:`_encode` registers the Data once every check has passed.
     """
     listed = [values] if single or not isinstance(values, (list, tuple)) else list(values)
     if len(listed) != len(variables):
@@ -94,8 +95,28 @@ def _values(rt: Runtime, variables: list[Any], values: Any, what: str, single: b
         if arr_dtype != dtype and not np.can_cast(arr_dtype, dtype, "safe"):
             raise TypeError(f"{what}: {describe(var)} has dtype {dtype}; a {arr_dtype} value cannot be cast "
                             f"safely: cast it first (value.astype('{dtype}'))")
-        out.append(("data", data_id(rt, value)) if isinstance(value, Data) else ("array", value.astype(dtype)))
+        out.append(("data", value) if isinstance(value, Data) else ("array", value.astype(dtype)))
     return out
+
+
+def _encode(rt: Runtime, checked: list[Any]) -> list[Any]:
+    """Checked values as they travel: a Data as its data id (registered with the workers if new)."""
+    return [("data", data_id(rt, v)) if kind == "data" else (kind, v) for kind, v in checked]
+
+
+def _check_shape(var: Any, shape: Sequence[int], what: str) -> None:
+    """TypeError unless ``shape`` fits the variable's static shape (every rank would refuse it)."""
+    static = tuple(getattr(var.type, "shape", None) or ())
+    if any(s is not None and s != n for s, n in zip(static, shape)):
+        raise TypeError(f"{what}: {describe(var)} has static shape {static}; the value would have shape "
+                        f"{tuple(shape)}")
+
+
+def _count(rows: Any, length: int) -> int:
+    """Rows that a selection made by :func:`_rows` (or ``...``) takes of ``length``."""
+    if rows is ...:
+        return length
+    return len(range(rows.start, rows.stop, rows.step or 1)) if isinstance(rows, slice) else len(rows)
 
 
 def _rows(batch: Any, length: int) -> Any:
@@ -116,9 +137,12 @@ def _rows(batch: Any, length: int) -> Any:
     return idx
 
 
-def _length(rt: Runtime, encoded: tuple[str, Any]) -> int:
-    kind, value = encoded
-    return len(rt.data[value]) if kind == "data" else len(value)
+def _shape(checked: tuple[str, Any]) -> tuple[int, ...]:
+    return tuple(checked[1].shape)
+
+
+def _length(checked: tuple[str, Any]) -> int:
+    return len(checked[1])
 
 
 def _run(rt: Runtime, name: str, **payload: Any) -> Any:
@@ -135,23 +159,29 @@ def broadcast(shared_vars: Any, values: Any = None, nccl: bool = True) -> None:
     """Every rank's value becomes the master's (or the given ``values``: Data or numpy, one per
     variable)."""
     rt, variables, sids, single = _prepare(shared_vars)
-    encoded = None if values is None else _values(rt, variables, values, "broadcast", single)
-    _run(rt, "broadcast", sids=sids, values=encoded, nccl=nccl)
+    checked = None if values is None else _values(rt, variables, values, "broadcast", single)
+    for var, value in zip(variables, checked or ()):
+        _check_shape(var, _shape(value), "broadcast")
+    _run(rt, "broadcast", sids=sids, values=None if checked is None else _encode(rt, checked), nccl=nccl)
 
 
 def scatter(shared_vars: Any, values: Any, batch: Any = None) -> None:
     """Rank ``r`` gets part ``r`` of each value (rows of ``batch`` only), split along axis 0 as
     evenly as possible (the first ranks get one row more)."""
     rt, variables, sids, single = _prepare(shared_vars)
-    encoded = _values(rt, variables, values, "scatter", single)
+    checked = _values(rt, variables, values, "scatter", single)
     for var in variables:
         if var.type.ndim < 1:
             raise ValueError(f"scatter: {describe(var)} is 0-d; it has no rows to split")
-    lengths = {_length(rt, e) for e in encoded}
+    lengths = {_length(c) for c in checked}
     if len(lengths) > 1 and batch is None:
         raise ValueError(f"scatter: values of different lengths {sorted(lengths)}; pass batch= to select rows")
-    rows = [_rows(batch, _length(rt, e)) for e in encoded]
-    _run(rt, "scatter", sids=sids, values=encoded, rows=rows)
+    rows = [_rows(batch, _length(c)) for c in checked]
+    for var, value, sel in zip(variables, checked, rows):
+        shape = _shape(value)
+        for p0, p1 in normalise_positions(_count(sel, shape[0]), rt.size):
+            _check_shape(var, (int(p1 - p0), *shape[1:]), "scatter")
+    _run(rt, "scatter", sids=sids, values=_encode(rt, checked), rows=rows)
 
 
 def gather(shared_vars: Any, nd_up: int = 1, nccl: bool = True) -> Any:
@@ -218,10 +248,13 @@ def set_value(rank: int, shared_vars: Any, values: Any, batch: Any = None) -> No
     """Set the value(s) in one rank (rows of ``batch`` of each value)."""
     rt, variables, sids, single = _prepare(shared_vars)
     _check_rank(rt, rank)
-    encoded = _values(rt, variables, values, "set_value", single)
-    rows = [_rows(batch, _length(rt, e)) if var.type.ndim else ...  # 0-d: the whole value
-            for var, e in zip(variables, encoded)]
-    _run(rt, "set_value", sids=sids, values=encoded, rows=rows, target=int(rank))
+    checked = _values(rt, variables, values, "set_value", single)
+    rows = [_rows(batch, _length(c)) if var.type.ndim else ...  # 0-d: the whole value
+            for var, c in zip(variables, checked)]
+    for var, value, sel in zip(variables, checked, rows):
+        shape = _shape(value)
+        _check_shape(var, shape if sel is ... else (_count(sel, shape[0]), *shape[1:]), "set_value")
+    _run(rt, "set_value", sids=sids, values=_encode(rt, checked), rows=rows, target=int(rank))
 
 
 def get_value(rank: int, shared_vars: Any) -> Any:

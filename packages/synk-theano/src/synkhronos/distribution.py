@@ -83,7 +83,14 @@ def distribute() -> None:
     buf = io.BytesIO()
     _Pickler(buf, known).dump({"specs": [rep.spec for rep in pending], "new_shared": new_shared})
     payload = buf.getvalue()
-    compile_seconds = rt.group.run(DISTRIBUTE, payload)
+    try:
+        compile_seconds = rt.group.run(DISTRIBUTE, payload)
+    except BaseException:
+        # Not distributed: forget the new ids, so that the next attempt sends these variables in full
+        # (a rank that failed never made them; a rank that did keeps an entry nothing refers to).
+        for sid, var in new_shared:
+            del rt.shared[sid], rt.shared_ids[var]
+        raise
     rt.distributed.update(rep.spec.fid for rep in pending)
     log.info("synkhronos: distributed %d function(s) and %d new shared variable(s) (%.1f kB) in %.2f s; "
              "slowest worker compiled for %.2f s", len(pending), len(new_shared), len(payload) / 1e3,

@@ -82,10 +82,14 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     Raises
     ------
     RuntimeError
-        If already forked (call close() first).
+        If already forked (call close() first), or called in a worker (only the master forks).
     ValueError
         For a bad ``n_parallel``/``master_rank``, or ``use_gpu=True`` without enough GPUs.
     """
+    group = synk_comm.current_group()
+    if group is not None and not group.is_master and not group.closed:
+        raise RuntimeError(f"synk.fork() was called in worker rank {group.rank} (pid {os.getpid()}): only the "
+                           "master process forks; this process is already a rank of the master's group")
     if current() is not None and not current().group.closed:  # type: ignore[union-attr]
         raise RuntimeError("Synkhronos is already forked: call synk.close() before forking again")
     n_gpus = gpu_count()

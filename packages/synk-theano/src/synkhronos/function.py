@@ -123,12 +123,12 @@ class Function:
         data_registry.flush_dropped(rt)
         datas = self._bind(args, kwargs)
         subset = self._subset(output_subset)
-        plan = self._plan(rt, datas, subset, batch, batch_s, num_slices)
         group = rt.group
-        length = calls.CallPlan.length(len(plan.data_ids), len(subset or ()), rt.size)
-        if length > len(group.scratch):
+        length = calls.CallPlan.length(len(datas), len(subset or ()), rt.size)
+        if length > len(group.scratch):  # before _plan, which may register Data with the workers
             raise ValueError(f"this call needs {length} argument slots; fork(max_n_var=...) reserved "
                              f"{len(group.scratch)}: fork with a larger max_n_var")
+        plan = self._plan(rt, datas, subset, batch, batch_s, num_slices)
         calls.encode(plan, group.scratch, rt.size)
         try:
             with group.command(CALL):

@@ -1,0 +1,160 @@
+"""Fault injection in synkhronos workers, and two small PyTensor Ops that carry it there.
+
+Workers import this module when a graph that holds :class:`Probe` or :class:`SlowSum` is
+distributed to them (they inherit the master's ``sys.path``, on which the suite's conftest puts
+this directory).
+
+Fault injection
+    The master sets ``SYNK_REL_FAULT_FILE`` (a path) in its environment before it forks; workers
+    inherit it.  Imported in a worker, this module wraps the worker side of every synkhronos
+    collective; :class:`Probe` checks the file when it is unpickled (distribution) and when it runs
+    (calls).  At each point the worker reads the fault file, if there is one: a JSON
+    ``{"where": ..., "rank": r, "action": "raise" | "kill"}``.  Rank ``r`` removes the file (a
+    fault fires once) and raises :class:`InjectedFault`, or SIGKILLs itself.  ``where`` is a
+    collective's name (``"all_reduce"``, ``"broadcast"``...), ``"all_reduce/1"`` (between the first
+    and the second variable of an all_reduce of several), ``"distribute"`` or ``"call"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
+from pytensor.tensor.type import TensorType
+from reliability_lib import FAULT_ENV, InjectedFault
+
+import synk_comm
+
+# The Ops below have no Numba implementation: PyTensor's default CPU mode runs them in object mode.
+warnings.filterwarnings("ignore", message="Numba will use object mode")
+
+__all__ = ["ForkInWorker", "InjectedFault", "Probe", "SlowSum", "set_fault"]
+
+
+def set_fault(path: str, where: str, rank: int, action: str) -> None:
+    """Arm one fault (see the module docstring); written atomically."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"where": where, "rank": rank, "action": action}, f)
+    os.replace(tmp, path)
+
+
+def fire(where: str) -> None:
+    """Raise or die here if the armed fault names this point and this rank."""
+    path = os.environ.get(FAULT_ENV)
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            fault = json.load(f)
+    except (OSError, ValueError):
+        return
+    rank = int(os.environ.get("SYNK_RANK", "-1"))
+    if fault.get("where") != where or fault.get("rank") != rank:
+        return
+    try:
+        os.unlink(path)
+    except OSError:
+        return
+    if fault["action"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)  # pragma: no cover - the signal is on its way
+    raise InjectedFault(f"injected fault at {where!r} in rank {rank}")
+
+
+def _install_collective_faults() -> None:
+    from synkhronos import collectives
+
+    for name, local in list(collectives._LOCAL.items()):
+        if getattr(local, "rel_wrapped", False):
+            continue
+
+        def wrapped(rt: Any, variables: list[Any], *args: Any, _name: str = name, _local: Any = local,
+                    **kwargs: Any) -> Any:
+            fire(_name)
+            if _name == "all_reduce" and len(variables) > 1:
+                _local(rt, variables[:1], *args, **kwargs)
+                fire("all_reduce/1")
+                return _local(rt, variables[1:], *args, **kwargs)
+            return _local(rt, variables, *args, **kwargs)
+
+        wrapped.rel_wrapped = True  # type: ignore[attr-defined]
+        collectives._LOCAL[name] = wrapped
+
+
+if os.environ.get("SYNK_RANK") is not None and os.environ.get(FAULT_ENV):
+    _install_collective_faults()
+
+
+class Probe(Op):
+    """Identity (a copy); the injection point of ``"call"`` and ``"distribute"`` faults."""
+
+    __props__ = ("label",)
+
+    def __init__(self, label: str = "probe") -> None:
+        self.label = label  # some state, so that unpickling calls __setstate__
+
+    def make_node(self, x: Any) -> Apply:
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        fire("call")
+        output_storage[0][0] = np.array(inputs[0], copy=True)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        fire("distribute")  # unpickled in the workers only: while the graph is distributed
+        self.__dict__.update(state)
+
+
+class SlowSum(Op):
+    """``sum(x)`` after ``seconds`` of CPU work (short numpy steps, so that a signal is handled
+    within milliseconds): a stand-in for a call that computes for a while.  A rank with no rows
+    does no work."""
+
+    __props__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = float(seconds)
+
+    def make_node(self, x: Any) -> Apply:
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [TensorType(x.type.dtype, shape=())()])
+
+    def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        (x,) = inputs
+        if len(x):
+            a = np.full((64, 64), 0.01)
+            end = time.perf_counter() + self.seconds
+            while time.perf_counter() < end:
+                a = np.tanh(a @ a)
+        output_storage[0][0] = np.asarray(x.sum(), dtype=x.dtype)
+
+
+class ForkInWorker(Op):
+    """Identity that calls ``synk.fork()`` when it runs in a worker: a misuse that must raise clearly."""
+
+    __props__ = ("label",)
+
+    def __init__(self, label: str = "fork") -> None:
+        self.label = label
+
+    def make_node(self, x: Any) -> Apply:
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        group = synk_comm.current_group()
+        if group is not None and not group.is_master:
+            import synkhronos
+
+            synkhronos.fork(2, use_gpu=False)
+        output_storage[0][0] = np.array(inputs[0], copy=True)
