@@ -81,6 +81,7 @@ def _install_collective_faults() -> None:
                     **kwargs: Any) -> Any:
             fire(_name)
             if _name == "all_reduce" and len(variables) > 1:
+                collectives._agree_on_shapes(rt, variables, "all_reduce")  # as the whole-list call does
                 _local(rt, variables[:1], *args, **kwargs)
                 fire("all_reduce/1")
                 return _local(rt, variables[1:], *args, **kwargs)

@@ -334,14 +334,12 @@ def test_a_freed_data_refused_then_filled_again_works(env):
 
 
 @pytest.mark.reliability("input", SY)
-@pytest.mark.xfail(strict=True, reason="DESIGN.md 'nothing is lost' does not hold for a list of variables: "
-                   "all_reduce([c, S]) with S of different shapes in the ranks reduces c in every rank, then "
-                   "raises ValueError for S (each rank checks shapes per variable, after the previous one "
-                   "was reduced in place); reduce([c, S]) likewise changes the master's c before it fails on S")
 def test_bad_input_all_reduce_list_with_different_shapes_changes_nothing(env):
     before = env.snapshot()
     with pytest.raises(ValueError, match="every rank must give the same shape"):
         synk.all_reduce([env.c, env.S], op="sum")
+    with pytest.raises(ValueError, match="every rank must give the same shape"):
+        synk.reduce([env.c, env.S], op="sum")
     try:
         env.assert_intact_and_usable(before)
     finally:

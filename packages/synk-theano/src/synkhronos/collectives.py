@@ -372,7 +372,22 @@ def _all_gather(rt: Runtime, variables: list[Any], nccl: bool) -> None:
             rt.device.set(var, np.concatenate(parts, axis=0))
 
 
+def _agree_on_shapes(rt: Runtime, variables: list[Any], what: str) -> None:
+    """Before reducing a list of variables, every rank checks every variable's shape in every rank
+    (one small exchange), so that a mismatch in any of them changes nothing anywhere."""
+    if len(variables) < 2:
+        return  # one variable: the collective itself checks before it writes
+    mine = np.array([d for var in variables for d in (len(rt.device.get(var).shape), *rt.device.get(var).shape)],
+                    dtype=np.int64)
+    shapes = rt.group.host.all_gather(mine)
+    for r, theirs in enumerate(shapes):
+        if theirs.shape != mine.shape or not np.array_equal(theirs, shapes[0]):
+            raise ValueError(f"{what}: every rank must give the same shape for each variable; rank {r} differs "
+                             "from rank 0 (nothing was reduced)")
+
+
 def _reduce(rt: Runtime, variables: list[Any], op: str, in_place: bool, nccl: bool) -> list[Any] | None:
+    _agree_on_shapes(rt, variables, "reduce")
     results = []
     for var in variables:
         result = rt.group.reduce(_value(rt, var, nccl), op)
@@ -385,6 +400,7 @@ def _reduce(rt: Runtime, variables: list[Any], op: str, in_place: bool, nccl: bo
 
 
 def _all_reduce(rt: Runtime, variables: list[Any], op: str, nccl: bool) -> None:
+    _agree_on_shapes(rt, variables, "all_reduce")
     for var in variables:
         value = _value(rt, var, nccl)
         # In place: the value is the variable's own buffer, referenced by nothing else.
