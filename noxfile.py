@@ -5,6 +5,8 @@
     nox -s typecheck    mypy on the packages
     nox -s demo         the main job (see README)
     nox -s bench        the benchmarks under benchmarks/ (figures go to benchmarks/RESULTS.md)
+    nox -s docs         the Sphinx site (warnings are errors)
+    nox -s reliability  bad-input and fault suites with their summary table, then the soak
 
 Each session builds its own environment and installs the packages from their own metadata
 (``packages/*/pyproject.toml``), never from what happens to be installed on the machine.
@@ -23,7 +25,7 @@ PACKAGES = [ROOT / "packages" / name for name in LAYERS if (ROOT / "packages" / 
 PYTHONS = ["3.11", "3.12"]
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
 
-nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -36,7 +38,7 @@ def install_packages(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Every package's tests (CPU mode; GPU tests skip without 2 GPUs)."""
     install_packages(session)
-    session.install(*TEST_DEPS)
+    session.install(f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]", *TEST_DEPS)  # the digits data: MNIST job test
     paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
     if (ROOT / "tests").exists():
         paths.append(str(ROOT / "tests"))
@@ -60,9 +62,24 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
-    """The main job: the best real example that exists (see README)."""
+    """The main job (see README): data-parallel MNIST training with synk-lasagne, on every GPU or CPU
+    core; MNIST IDX files from $SYNK_MNIST_DIR, else scikit-learn's digits.  Flags go after ``--``."""
     install_packages(session)
-    session.run("python", "examples/main.py", *session.posargs)
+    session.install(f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]")
+    session.run("python", "examples/mnist/train_mnist.py", *session.posargs, env={"PYTHONUNBUFFERED": "1"})
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """The Sphinx site of docs/ (HTML in docs/_build/html); any warning, broken references included, fails.
+
+    Every page is rebuilt each time (``-E``), so a warning of an unchanged page fails too.  Extra
+    sphinx-build options go after ``--``.
+    """
+    install_packages(session)
+    session.install("sphinx>=7.3", "myst-parser>=3")  # napoleon (NumPy docstrings) ships with Sphinx
+    session.run("sphinx-build", "-E", "-W", "--keep-going", "-n", "-q", "-b", "html", *session.posargs,
+                "docs", "docs/_build/html")
 
 
 @nox.session(python="3.11")
@@ -73,3 +90,14 @@ def bench(session: nox.Session) -> None:
     scripts = session.posargs or sorted(str(p) for p in (ROOT / "benchmarks").glob("bench_*.py"))
     for script in scripts:
         session.run("python", script)
+
+
+@nox.session(python="3.11")
+def reliability(session: nox.Session) -> None:
+    """Bad-input and fault-injection suites (tests/reliability, with their summary table), then the
+    100,000-call soak (benchmarks/soak.py: memory, file descriptors and /dev/shm stay flat)."""
+    install_packages(session)
+    session.install(*TEST_DEPS)
+    session.run("pytest", str(ROOT / "tests" / "reliability"), *session.posargs,
+                env={"PYTHONUNBUFFERED": "1"})
+    session.run("python", str(ROOT / "benchmarks" / "soak.py"), env={"PYTHONUNBUFFERED": "1"})

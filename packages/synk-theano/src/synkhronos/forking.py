@@ -5,7 +5,8 @@ The master is rank ``master_rank``; every other rank is a fresh interpreter star
 re-run of its ``__main__``: scripts without a main guard work).  Each worker gets, at launch, the
 master's PyTensor configuration (``PYTENSOR_FLAGS``: floatX, mode, linker, optimizer, compile
 directory -- so it reuses the master's compile cache) and, in CPU mode, a share of the cores for
-its BLAS/Numba threads so that n ranks do not oversubscribe the machine.
+its BLAS/Numba threads so that n ranks do not oversubscribe the machine; the master's own BLAS is
+limited likewise (threadpoolctl) until :func:`close`.
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         device = _gpu_device()
     else:
-        threads = str(max(1, len(os.sched_getaffinity(0)) // n_parallel))
-        env.update({var: os.environ.get(var, threads) for var in THREAD_VARS})
+        threads = max(1, len(os.sched_getaffinity(0)) // n_parallel)
+        env.update({var: os.environ.get(var, str(threads)) for var in THREAD_VARS})
         device = CpuDevice()
     if profile_workers:
         env["SYNK_PROFILE_DIR"] = os.getcwd()
@@ -132,6 +133,12 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
                             devices=devices, env=env, scratch_size=scratch, spin_us=spin)
     rt = Runtime(group, device)
     rt.max_dim = max_dim
+    if not use_gpu and n_parallel > 1:
+        # The master computes a share too: its BLAS gets its share of the cores, like each worker's
+        # (set at the workers' launch); close() gives the master its threads back.
+        from threadpoolctl import threadpool_limits
+
+        rt.thread_limits = threadpool_limits(limits=threads, user_api="blas")
     set_current(rt)
     log.info("synkhronos: %d ranks in %s mode (master rank %d%s) ready in %.2f s", n_parallel,
              "GPU" if use_gpu else "CPU", master_rank, f", GPUs {devices}" if devices else "",
@@ -156,4 +163,6 @@ def close() -> None:
         return
     set_current(None)
     rt.group.close()
+    if rt.thread_limits is not None:
+        rt.thread_limits.restore_original_limits()
     log.info("synkhronos: closed")

@@ -1,0 +1,239 @@
+"""The main job: train an MNIST classifier data-parallel with Synkhronos and synk-lasagne.
+
+On every GPU when the machine has any (one rank per GPU, PyTensor's JAX backend), else on CPU
+worker processes (one rank per core).  Then the same epochs in a single process, to measure the
+speedup, and a PNG plot of loss and throughput per epoch.
+
+Data: the MNIST IDX files from ``--data-dir`` or ``$SYNK_MNIST_DIR`` (gzipped or not); without
+them, the 8x8 handwritten digits bundled with scikit-learn (``pip install synk-lasagne[mnist]``).
+
+Model: an MLP (ReLU hidden layers, softmax output, Glorot-uniform weights as Lasagne's
+``DenseLayer``).  There is no CNN: PyTensor 3 has no 2-d convolution for networks (Theano's
+``nnet.conv2d`` is gone; ``pytensor.tensor.signal.convolve2d`` is single-channel signal
+convolution, with neither a Numba nor a JAX implementation).
+
+Data patterns (``--pattern``), the two of Synkhronos's MNIST demos:
+
+``host``     the training set lives once in host shared memory (``synk.data``); each step passes
+             ``batch=`` indices of a shuffled order, and every rank gathers its own rows in place.
+``scatter``  the training set is scattered once into each rank's memory (sliceable shared
+             variables: the GPU's memory in GPU mode); each step passes ``batch_s=`` rows of each
+             rank's own part.
+
+Every step: the gradient of each rank's share of the batch goes into one flat vector, one
+all-reduce combines them (weighted by rows: exact for any split), every rank applies the same
+update.  Validation and test run over whole sets with ``num_slices``.
+
+Examples::
+
+    python examples/mnist/train_mnist.py                       # digits, all cores / GPUs, 30 epochs
+    python examples/mnist/train_mnist.py --data-dir ~/mnist --epochs 10 --pattern scatter
+    python examples/mnist/train_mnist.py --n-parallel 2 --batch-size 256 --no-baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+
+import synkhronos as synk
+from synk_lasagne import Trainer, make_eval_function, make_train_function, mnist, updates
+
+RULES = ["sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta", "adam", "adamax", "amsgrad"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data-dir", default=None,
+                        help=f"directory of the MNIST IDX files (default ${mnist.ENV_VAR}; without either: "
+                             "scikit-learn's digits)")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=128, help="rows per step over all ranks")
+    parser.add_argument("--n-parallel", type=int, default=None, help="ranks (default: every GPU, or every core)")
+    parser.add_argument("--pattern", choices=["host", "scatter"], default="host",
+                        help="host: Data in shared memory + batch= indices; scatter: data scattered once into "
+                             "sliceable shareds + batch_s")
+    parser.add_argument("--cpu", action="store_true", help="CPU worker processes even on a machine with GPUs")
+    parser.add_argument("--hidden", type=int, default=512, help="units per hidden layer")
+    parser.add_argument("--layers", type=int, default=2, help="hidden layers")
+    parser.add_argument("--rule", choices=RULES, default="adam", help="update rule (synk_lasagne.updates)")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--eval-slices", type=int, default=2, help="num_slices of validation and test calls")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the single-process run (no speedup)")
+    parser.add_argument("--plot", default=os.path.join("out", "mnist_training.png"), help="PNG file to write")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-accuracy", type=float, default=0.95,
+                        help="exit with status 1 if the data-parallel test accuracy is lower")
+    parser.add_argument("--mode", default=None, help="PyTensor mode (default: PyTensor's, e.g. NUMBA on CPUs)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (they show only on a terminal anyway)")
+    args = parser.parse_args(argv)
+    if args.epochs < 1 or args.batch_size < 1 or args.layers < 1 or args.hidden < 1:
+        parser.error("--epochs, --batch-size, --layers and --hidden must be >= 1")
+    return args
+
+
+def build_mlp(n_in: int, n_hidden: int, n_layers: int, n_out: int, seed: int) -> tuple[list[Any], Any]:
+    """Parameters and ``forward(x) -> logits`` of an MLP (Glorot-uniform weights, zero biases)."""
+    rng = np.random.default_rng(seed)
+    floatx = pytensor.config.floatX
+    sizes = [n_in] + [n_hidden] * n_layers + [n_out]
+    params = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        bound = np.sqrt(6.0 / (a + b))
+        params.append(pytensor.shared(rng.uniform(-bound, bound, (a, b)).astype(floatx), name=f"W{i + 1}"))
+        params.append(pytensor.shared(np.zeros(b, dtype=floatx), name=f"b{i + 1}"))
+
+    def forward(x: Any) -> Any:
+        h = x
+        for i in range(0, len(params) - 2, 2):
+            h = pt.maximum(h @ params[i] + params[i + 1], 0)
+        return h @ params[-2] + params[-1]
+
+    return params, forward
+
+
+def cross_entropy(logits: Any, y: Any) -> Any:
+    logp = pt.special.log_softmax(logits, axis=1)
+    return -pt.mean(logp[pt.arange(y.shape[0]), y])
+
+
+def accuracy(logits: Any, y: Any) -> Any:
+    return pt.mean(pt.eq(pt.argmax(logits, axis=1), y))
+
+
+def train_and_test(args: argparse.Namespace, data: mnist.Dataset) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Build the model and its functions in the forked group, train, test: (history, test metrics)."""
+    t0 = time.perf_counter()
+    fkw = {"mode": args.mode} if args.mode else {}
+    params, forward = build_mlp(data.x_train.shape[1], args.hidden, args.layers, data.n_classes, args.seed)
+    x, y = pt.matrix("x"), pt.ivector("y")
+    rule = getattr(updates, args.rule)
+    lr = {"learning_rate": args.learning_rate}
+    if args.pattern == "host":  # the data once in shared memory; each step: batch= indices
+        loss = cross_entropy(forward(x), y)
+        train = make_train_function(loss, params, [x, y], rule, function_kwargs=fkw, **lr)
+        train_data: tuple[Any, ...] = (synk.data(data.x_train), synk.data(data.y_train))
+    else:  # the data scattered once into each rank's memory; each step: batch_s= rows of each rank's part
+        floatx = pytensor.config.floatX
+        x_s = pytensor.shared(np.zeros((0, data.x_train.shape[1]), dtype=floatx), name="x_train")
+        y_s = pytensor.shared(np.zeros(0, dtype="int32"), name="y_train")
+        loss = cross_entropy(forward(x_s), y_s)
+        train = make_train_function(loss, params, [], rule, sliceable_shareds=[x_s, y_s], function_kwargs=fkw, **lr)
+        synk.scatter([x_s, y_s], [data.x_train, data.y_train])
+        train_data = ()
+    logits = forward(x)
+    evaluate = make_eval_function({"loss": cross_entropy(logits, y), "accuracy": accuracy(logits, y)}, [x, y],
+                                  function_kwargs=fkw)
+    valid = (synk.data(data.x_valid), synk.data(data.y_valid))
+    test = (synk.data(data.x_test), synk.data(data.y_test))
+    synk.distribute()  # every rank compiles its functions now (if the scatter did not), outside the timed epochs
+    print(f"functions built, distributed and compiled in every rank in {time.perf_counter() - t0:.1f} s", flush=True)
+    trainer = Trainer(train, eval_fn=evaluate, batch_size=args.batch_size, seed=args.seed,
+                      eval_slices=args.eval_slices, progress=False if args.no_progress else None)
+    history = trainer.fit(train_data, epochs=args.epochs, valid=valid)
+    return history, evaluate(*test, num_slices=args.eval_slices)
+
+
+def run(args: argparse.Namespace, data: mnist.Dataset, n_parallel: int | None, label: str) -> dict[str, Any]:
+    """Fork, train and test, close: one complete run with ``n_parallel`` ranks."""
+    from synkhronos.runtime import current
+
+    t_start = time.perf_counter()
+    n = synk.fork(n_parallel, use_gpu=False if args.cpu else None)
+    rt = current()
+    assert rt is not None
+    kind = "GPUs" if rt.device.use_gpu else "CPU processes"
+    print(f"\n== {label}: {n} rank(s), {kind}, pattern {args.pattern!r} ==", flush=True)
+    try:
+        history, result = train_and_test(args, data)
+    finally:
+        synk.close()
+    epoch_seconds = statistics.median(h["seconds"] for h in history)
+    print(f"{label}: test accuracy {result['accuracy']:.2%}, test loss {result['loss']:.4f}; median epoch "
+          f"{epoch_seconds:.3f} s ({statistics.median(h['samples_per_s'] for h in history):.0f} samples/s); "
+          f"whole run {time.perf_counter() - t_start:.1f} s", flush=True)
+    return {"label": label, "ranks": n, "kind": kind, "history": history, "test": result,
+            "epoch_seconds": epoch_seconds}
+
+
+def plot(runs: list[dict[str, Any]], path: str, title: str) -> None:
+    """Loss (train and validation) and throughput per epoch of every run, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install 'synk-lasagne[mnist]'): no plot")
+        return
+    fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, r in enumerate(runs):
+        epochs = [h["epoch"] for h in r["history"]]
+        color = f"C{i}"
+        name = f"{r['label']} ({r['ranks']} rank{'s' if r['ranks'] > 1 else ''})"
+        width = max(1.5, 4 - 2 * i)  # wide, then narrower lines: equal runs (the same steps) stay visible
+        ax_loss.plot(epochs, [h["train_loss"] for h in r["history"]], color=color, lw=width, alpha=0.8,
+                     label=f"{name}: train")
+        ax_loss.plot(epochs, [h["valid_loss"] for h in r["history"]], color=color, lw=width, alpha=0.8,
+                     linestyle="--", label=f"{name}: validation")
+        ax_speed.plot(epochs, [h["samples_per_s"] for h in r["history"]], color=color, marker="o", markersize=3,
+                      label=name)
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", yscale="log", title="loss")
+    ax_speed.set(xlabel="epoch", ylabel="training samples / s", title="throughput")
+    ax_speed.set_ylim(bottom=0)
+    for ax in (ax_loss, ax_speed):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    pytensor.config.floatX = "float32"  # set before fork: the workers take the master's configuration
+    t0 = time.perf_counter()
+    data = mnist.load(args.data_dir).astype(pytensor.config.floatX)
+    print(f"data: {data.source}: {len(data.x_train)} train, {len(data.x_valid)} validation, {len(data.x_test)} "
+          f"test images of {data.image_shape[0]}x{data.image_shape[1]}")
+    print(f"model: MLP {data.x_train.shape[1]} -> {' -> '.join([str(args.hidden)] * args.layers)} -> 10, "
+          f"{args.rule} (learning rate {args.learning_rate}), batch {args.batch_size}, {args.epochs} epochs")
+    runs = [run(args, data, args.n_parallel, "data-parallel")]
+    if not args.no_baseline:
+        runs.append(run(args, data, 1, "single process"))
+    main_run = runs[0]
+    acc = main_run["test"]["accuracy"]
+    print(f"\nfinal test accuracy ({main_run['ranks']} ranks): {acc:.2%}")
+    speedup = None
+    if len(runs) > 1:
+        speedup = runs[1]["epoch_seconds"] / main_run["epoch_seconds"]
+        print(f"speedup of {main_run['ranks']} {main_run['kind']} over 1: {speedup:.2f}x (median epoch "
+              f"{runs[1]['epoch_seconds']:.3f} s -> {main_run['epoch_seconds']:.3f} s)")
+    title = (f"{data.source}, MLP {args.layers}x{args.hidden}, {args.rule}, batch {args.batch_size}, "
+             f"pattern {args.pattern}" + (f", speedup {speedup:.2f}x" if speedup else ""))
+    plot(runs, args.plot, title)
+    print(f"total time {time.perf_counter() - t0:.1f} s")
+    if acc < args.min_accuracy:
+        print(f"FAILED: test accuracy {acc:.2%} is below --min-accuracy {args.min_accuracy:.0%}")
+        return 1
+    print("Done.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Fixtures of the synk-lasagne tests (CPU mode, real worker processes).
+
+Helpers live in :mod:`lasagne_testutil` (every package's tests run in one pytest session, where
+the name ``conftest`` is not unique); this directory goes on ``sys.path`` so that it imports by
+name.  ``ranks`` forks a group of 2, then of 3, ranks once per test module and closes it after
+the module's last test, checking that no worker process and no shared memory outlives it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from lasagne_testutil import assert_no_workers_left, own_entries  # noqa: E402
+
+import synkhronos as synk  # noqa: E402
+from synkhronos.runtime import current  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def ranks(request):
+    """A forked CPU-mode group of ``request.param`` ranks for the whole module; yields its size."""
+    n = synk.fork(request.param, use_gpu=False)
+    prefix = current().group.prefix
+    yield n
+    synk.close()
+    gc.collect()
+    assert_no_workers_left()
+    assert not own_entries(prefix), f"synk.close() left shared memory of its group: {own_entries(prefix)}"

@@ -1,0 +1,215 @@
+"""Helpers of the synk-lasagne tests (a module of its own, uniquely named: every package's tests
+run in one pytest session).
+
+The reference for every update rule is plain numpy, written from the rules' equations (Lasagne's
+maths), fed with gradients from a plain single-process PyTensor function of the same loss on the
+same (whole) batch.  The data-parallel runs must match it step for step.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+TIMEOUT = 120
+"""Seconds for any test that runs several processes (pytest.mark.timeout)."""
+FAST = {"mode": "FAST_COMPILE"}
+"""PyTensor mode of the test functions: compiles in a fraction of a second (the maths is the same)."""
+
+N_IN, N_HIDDEN, N_OUT = 5, 4, 3
+
+
+# --- the model --------------------------------------------------------------------------------------
+
+def initial_params(seed: int = 0) -> list[np.ndarray]:
+    """Values of W1 (5x4), b1 (4), W2 (4x3), b2 (3): several parameters of several shapes."""
+    rng = np.random.default_rng(seed)
+    return [rng.normal(0, 0.5, (N_IN, N_HIDDEN)), rng.normal(0, 0.1, N_HIDDEN),
+            rng.normal(0, 0.5, (N_HIDDEN, N_OUT)), rng.normal(0, 0.1, N_OUT)]
+
+
+def make_data(n: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, N_IN)), rng.integers(0, N_OUT, n).astype("int32")
+
+
+def loss_graph(x: Any, y: Any, params: Sequence[Any], decay: float = 1e-3) -> Any:
+    """Mean cross-entropy of a tanh MLP, plus a weight decay term that does not depend on the rows."""
+    import pytensor.tensor as pt
+
+    w1, b1, w2, b2 = params
+    logp = pt.special.log_softmax(pt.tanh(x @ w1 + b1) @ w2 + b2, axis=1)
+    return -pt.mean(logp[pt.arange(y.shape[0]), y]) + decay * pt.sum(w1 ** 2)
+
+
+def shared_params(values: Sequence[np.ndarray]) -> list[Any]:
+    import pytensor
+
+    return [pytensor.shared(v.copy(), name=name) for v, name in zip(values, ["W1", "b1", "W2", "b2"])]
+
+
+class Reference:
+    """Loss and gradients of the single-process model (plain PyTensor, parameters as inputs)."""
+
+    def __init__(self) -> None:
+        import pytensor
+        import pytensor.tensor as pt
+
+        x, y = pt.matrix("x"), pt.ivector("y")
+        ps = [pt.matrix("W1"), pt.vector("b1"), pt.matrix("W2"), pt.vector("b2")]
+        loss = loss_graph(x, y, ps)
+        self.fn = pytensor.function([x, y, *ps], [loss, *pytensor.grad(loss, ps)], **FAST)
+
+    def __call__(self, x: np.ndarray, y: np.ndarray, params: Sequence[np.ndarray]) -> tuple[float, list[np.ndarray]]:
+        loss, *grads = self.fn(x, y, *params)
+        return float(loss), [np.asarray(g) for g in grads]
+
+
+# --- numpy references of the rules ------------------------------------------------------------------
+
+class NumpyRule:
+    """One update rule in numpy: ``step(params, grads) -> new params`` (keeps its own state)."""
+
+    def __init__(self, name: str, **hyper: float) -> None:
+        self.name = name
+        self.hyper = hyper
+        self.state: dict[str, list[np.ndarray]] = {}
+        self.t = 0
+
+    def _zeros(self, key: str, params: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if key not in self.state:
+            self.state[key] = [np.zeros_like(p) for p in params]
+        return self.state[key]
+
+    def step(self, params: Sequence[np.ndarray], grads: Sequence[np.ndarray]) -> list[np.ndarray]:
+        h = self.hyper
+        name = self.name
+        if "max_norm" in h:  # total_norm_constraint of the all-reduced gradient
+            norm = np.sqrt(sum(float(np.sum(g ** 2)) for g in grads))
+            grads = [g * (min(norm, h["max_norm"]) / (1e-7 + norm)) for g in grads]
+        if name == "sgd":
+            return [p - h["learning_rate"] * g for p, g in zip(params, grads)]
+        if name in ("momentum", "nesterov_momentum"):
+            mu, lr = h.get("momentum", 0.9), h["learning_rate"]
+            vel = self._zeros("velocity", params)
+            out = []
+            for i, (p, g) in enumerate(zip(params, grads)):
+                vel[i] = mu * vel[i] - lr * g
+                out.append(p + vel[i] if name == "momentum" else p + mu * vel[i] - lr * g)
+            return out
+        if name == "adagrad":
+            lr, eps = h.get("learning_rate", 1.0), h.get("epsilon", 1e-6)
+            acc = self._zeros("accu", params)
+            out = []
+            for i, (p, g) in enumerate(zip(params, grads)):
+                acc[i] = acc[i] + g ** 2
+                out.append(p - lr * g / np.sqrt(acc[i] + eps))
+            return out
+        if name == "rmsprop":
+            lr, rho, eps = h.get("learning_rate", 1.0), h.get("rho", 0.9), h.get("epsilon", 1e-6)
+            acc = self._zeros("accu", params)
+            out = []
+            for i, (p, g) in enumerate(zip(params, grads)):
+                acc[i] = rho * acc[i] + (1 - rho) * g ** 2
+                out.append(p - lr * g / np.sqrt(acc[i] + eps))
+            return out
+        if name == "adadelta":
+            lr, rho, eps = h.get("learning_rate", 1.0), h.get("rho", 0.95), h.get("epsilon", 1e-6)
+            acc, dacc = self._zeros("accu", params), self._zeros("delta_accu", params)
+            out = []
+            for i, (p, g) in enumerate(zip(params, grads)):
+                acc[i] = rho * acc[i] + (1 - rho) * g ** 2
+                upd = g * np.sqrt(dacc[i] + eps) / np.sqrt(acc[i] + eps)
+                dacc[i] = rho * dacc[i] + (1 - rho) * upd ** 2
+                out.append(p - lr * upd)
+            return out
+        if name in ("adam", "adamax", "amsgrad"):
+            default_lr = 0.002 if name == "adamax" else 0.001
+            lr, b1, b2 = h.get("learning_rate", default_lr), h.get("beta1", 0.9), h.get("beta2", 0.999)
+            eps = h.get("epsilon", 1e-8)
+            self.t += 1
+            t = self.t
+            m, v, vmax = self._zeros("m", params), self._zeros("v", params), self._zeros("v_hat", params)
+            out = []
+            for i, (p, g) in enumerate(zip(params, grads)):
+                m[i] = b1 * m[i] + (1 - b1) * g
+                if name == "adamax":
+                    v[i] = np.maximum(b2 * v[i], np.abs(g))
+                    out.append(p - lr / (1 - b1 ** t) * m[i] / (v[i] + eps))
+                    continue
+                v[i] = b2 * v[i] + (1 - b2) * g ** 2
+                if name == "amsgrad":
+                    vmax[i] = np.maximum(vmax[i], v[i])
+                    denom = np.sqrt(vmax[i]) + eps
+                else:
+                    denom = np.sqrt(v[i]) + eps
+                out.append(p - lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m[i] / denom)
+            return out
+        raise ValueError(f"no numpy reference for rule {name!r}")
+
+
+# --- subprocesses -----------------------------------------------------------------------------------
+
+def run_script(args: Sequence[str], timeout: float = 240.0, cwd: str | None = None,
+               env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], int]:
+    """Run ``python *args`` as a run of its own (no inherited run prefix); capture its output.
+
+    Returns the completed process and its pid (which names its shared-memory objects)."""
+    full = dict(os.environ)
+    full.pop("SYNK_RUN_PREFIX", None)
+    full.update(env or {})
+    with subprocess.Popen([sys.executable, *args], env=full, cwd=cwd or ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"{args} ran past {timeout} s:\n{out}\n{err}") from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), proc.pid
+
+
+def worker_pids(parent: int | None = None) -> list[int]:
+    """Live children of ``parent`` (default: this process) that run ``synk_comm.worker``."""
+    parent = os.getpid() if parent is None else parent
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if int(fields[1]) == parent and fields[0] not in (b"Z", b"X") and b"synk_comm.worker" in cmdline:
+            found.append(int(entry))
+    return sorted(found)
+
+
+def assert_no_workers_left(timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while worker_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker_pids(), f"worker processes still running: {worker_pids()}"
+
+
+def own_entries(prefix: str | None = None) -> list[str]:
+    """Entries of /dev/shm under ``prefix`` (default: this run's)."""
+    import synk_shm
+
+    bare = (prefix or synk_shm.run_prefix()).lstrip("/")
+    try:
+        return sorted(e for e in os.listdir("/dev/shm") if e.startswith((bare, "sem." + bare)))
+    except OSError:
+        return []

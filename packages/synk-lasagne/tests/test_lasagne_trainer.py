@@ -1,0 +1,207 @@
+"""The Trainer in 2 and 3 CPU ranks: epochs over Data (batch= indices) and over scattered data
+(batch_s) equal single-process training on the same batches; validation over the whole set with
+num_slices; checkpoints restore parameters and optimizer state in every rank; early stopping."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from lasagne_testutil import FAST, TIMEOUT, NumpyRule, Reference, initial_params, loss_graph, make_data, shared_params
+
+import synkhronos as synk
+from synk_lasagne import Trainer, load_checkpoint, make_eval_function, make_train_function, save_checkpoint, updates
+
+pytestmark = pytest.mark.timeout(TIMEOUT)
+
+N_ROWS = 45
+RTOL, ATOL = 1e-9, 1e-12
+
+
+@pytest.fixture(scope="module")
+def data(ranks):
+    x, y = make_data(N_ROWS, seed=11)
+    return x, y, synk.data(x), synk.data(y)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Reference()
+
+
+def model():
+    x, y = pt.matrix("x"), pt.ivector("y")
+    params = shared_params(initial_params())
+    loss = loss_graph(x, y, params)
+    logits = pt.tanh(x @ params[0] + params[1]) @ params[2] + params[3]
+    accuracy = pt.mean(pt.eq(pt.argmax(logits, axis=1), y))
+    return x, y, params, loss, accuracy
+
+
+def assert_every_rank(variables, expected, ranks, what):
+    gathered = synk.gather(variables, nd_up=1)
+    for var, g, e in zip(variables, gathered, expected):
+        for r in range(ranks):
+            np.testing.assert_allclose(g[r], e, rtol=RTOL, atol=ATOL, err_msg=f"{what}: {var.name} in rank {r}")
+
+
+def quiet(train, **kwargs):
+    return Trainer(train, progress=False, verbose=False, **kwargs)
+
+
+def test_fit_over_host_data_matches_single_process(ranks, data, reference):
+    x, y, x_data, y_data = data
+    xs, ys, params, loss, _ = model()
+    train = make_train_function(loss, params, [xs, ys], updates.momentum, learning_rate=0.1, function_kwargs=FAST)
+    trainer = quiet(train, batch_size=8, seed=7)
+    history = trainer.fit((x_data, y_data), epochs=2)
+
+    rng = np.random.default_rng(7)  # the Trainer's order of the rows
+    ref, rule = initial_params(), NumpyRule("momentum", learning_rate=0.1)
+    losses = []
+    for _ in range(2):
+        order = rng.permutation(N_ROWS)
+        weighted = 0.0
+        for start in range(0, N_ROWS, 8):  # 5 batches of 8, then one of 5 (kept: drop_last=False)
+            idx = order[start:start + 8]
+            value, grads = reference(x[idx], y[idx], ref)
+            weighted += value * len(idx)
+            ref = rule.step(ref, grads)
+        losses.append(weighted / N_ROWS)
+    assert_every_rank(params, ref, ranks, "after 2 epochs")
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert all(h["samples"] == N_ROWS and h["samples_per_s"] > 0 for h in history)
+    np.testing.assert_allclose([h["train_loss"] for h in history], losses, rtol=1e-9)
+    assert trainer.fit((x_data, y_data), epochs=1)[0]["epoch"] == 3  # epochs keep counting
+
+
+def test_fit_over_scattered_data_matches_single_process(ranks, reference):
+    x, y = make_data(29, seed=13)
+    x_s = pytensor.shared(np.zeros((0, x.shape[1])), name="x_s")
+    y_s = pytensor.shared(np.zeros(0, dtype="int32"), name="y_s")
+    params = shared_params(initial_params())
+    train = make_train_function(loss_graph(x_s, y_s, params), params, [], updates.adam, learning_rate=0.01,
+                                sliceable_shareds=[x_s, y_s], function_kwargs=FAST)
+    synk.scatter([x_s, y_s], [x, y])
+    history = quiet(train, batch_size=7, seed=3).fit((), epochs=2)
+
+    rng = np.random.default_rng(3)
+    local = np.array_split(np.arange(len(x)), ranks)
+    shares = [7 // ranks + (r < 7 % ranks) for r in range(ranks)]
+    ref, rule = initial_params(), NumpyRule("adam", learning_rate=0.01)
+    for _ in range(2):
+        orders = [rng.permutation(len(part)) for part in local]
+        steps = max(math.ceil(len(part) / b) for part, b in zip(local, shares))
+        for k in range(steps):
+            union = np.concatenate([part[o[k * b:(k + 1) * b]] for part, o, b in zip(local, orders, shares)])
+            _, grads = reference(x[union], y[union], ref)
+            ref = rule.step(ref, grads)
+    assert_every_rank(params, ref, ranks, "scattered data, 2 epochs")
+    assert [h["samples"] for h in history] == [len(x), len(x)]
+
+
+def test_validation_over_the_whole_set_with_slices(ranks, data):
+    x, y, x_data, y_data = data
+    xs, ys, params, loss, accuracy = model()
+    evaluate = make_eval_function({"loss": loss, "accuracy": accuracy}, [xs, ys], function_kwargs=FAST)
+    plain = pytensor.function([xs, ys], [loss, accuracy], **FAST)
+    expected = dict(zip(["loss", "accuracy"], (float(v) for v in plain(x, y))))
+    for slices in (1, 4):
+        got = evaluate(x_data, y_data, num_slices=slices)
+        assert list(got) == ["loss", "accuracy"]
+        np.testing.assert_allclose([got["loss"], got["accuracy"]], [expected["loss"], expected["accuracy"]],
+                                   rtol=1e-12)
+    train = make_train_function(loss, params, [xs, ys], updates.sgd, learning_rate=0.1, function_kwargs=FAST)
+    trainer = quiet(train, eval_fn=evaluate, batch_size=10, eval_slices=3)
+    record = trainer.fit((x_data, y_data), epochs=1, valid=(x_data, y_data))[0]
+    np.testing.assert_allclose(record["valid_loss"], float(plain(x, y)[0]), rtol=1e-12)
+    assert {"valid_loss", "valid_accuracy", "valid_seconds"} <= set(record)
+
+
+def test_checkpoint_restores_params_and_state_in_every_rank(ranks, data, tmp_path):
+    _, _, x_data, y_data = data
+    xs, ys, params, loss, _ = model()
+    train = make_train_function(loss, params, [xs, ys], updates.adam, learning_rate=0.01, function_kwargs=FAST)
+    batches = [np.arange(i, i + 9) for i in range(0, 36, 9)]
+    for idx in batches[:2]:
+        train(x_data, y_data, batch=idx)
+    path = tmp_path / "ckpt.npz"
+    trainer = quiet(train)
+    trainer.save(path, note="after 2 steps")
+    saved = [np.array(v) for v in synk.gather(train.variables, nd_up=1)]
+    for idx in batches[2:]:
+        train(x_data, y_data, batch=idx)
+    continued = [np.array(v) for v in synk.gather(train.variables, nd_up=1)]
+    synk.set_value(ranks - 1, params[0], np.full((5, 4), 9.0))  # one rank drifts: loading must fix it too
+
+    meta = trainer.load(path)
+    assert meta["note"] == "after 2 steps" and meta["names"][0] == "W1"
+    now = synk.gather(train.variables, nd_up=1)
+    for var, s, n in zip(train.variables, saved, now):
+        np.testing.assert_array_equal(n, s, err_msg=f"{var.name} not restored in every rank")
+    t_index = [v.name for v in train.variables].index("t")
+    np.testing.assert_array_equal(now[t_index], np.full(ranks, 2.0))
+    for idx in batches[2:]:  # training goes on exactly as it did from the saved point
+        train(x_data, y_data, batch=idx)
+    for var, c, n in zip(train.variables, continued, synk.gather(train.variables, nd_up=1)):
+        np.testing.assert_allclose(n, c, rtol=1e-12, err_msg=var.name)
+
+
+def test_checkpoint_of_other_variables_is_refused(ranks, tmp_path):
+    a = pytensor.shared(np.zeros(3), name="a")
+    b = pytensor.shared(np.zeros((2, 2)), name="b")
+    path = tmp_path / "ab.npz"
+    save_checkpoint(path, [a, b], epoch=4)
+    with pytest.raises(ValueError, match="holds 2 variables"):
+        load_checkpoint(path, [a])
+    with pytest.raises(ValueError, match="shape"):
+        load_checkpoint(path, [b, a])
+
+
+def test_early_stopping_restores_the_best_epoch(ranks, data, tmp_path):
+    _, _, x_data, y_data = data
+    xs, ys, params, loss, _ = model()
+    train = make_train_function(loss, params, [xs, ys], updates.sgd, learning_rate=0.2, function_kwargs=FAST)
+    evaluate = make_eval_function({"loss": loss}, [xs, ys], function_kwargs=FAST)
+    path = tmp_path / "best.npz"
+    # the loss falls every epoch; monitoring it with mode="max" makes epoch 1 the best one
+    trainer = quiet(train, eval_fn=evaluate, batch_size=9, monitor="valid_loss", mode="max", patience=2,
+                    checkpoint=path)
+    history = trainer.fit((x_data, y_data), epochs=10, valid=(x_data, y_data))
+    assert [h["epoch"] for h in history] == [1, 2, 3] and trainer.stopped_early
+    assert history[1]["valid_loss"] < history[0]["valid_loss"]
+    assert trainer.best_epoch == 1
+    with np.load(path) as f:
+        best = [f[f"v{i}"] for i in range(len(train.variables))]
+    for var, b, now in zip(train.variables, best, synk.gather(train.variables, nd_up=1)):
+        for r in range(ranks):
+            np.testing.assert_array_equal(now[r], b, err_msg=f"{var.name} in rank {r}")
+    np.testing.assert_allclose(evaluate(x_data, y_data)["loss"], history[0]["valid_loss"], rtol=1e-12)
+
+
+def test_patience_needs_the_monitored_metric(ranks, data):
+    _, _, x_data, y_data = data
+    xs, ys, params, loss, _ = model()
+    train = make_train_function(loss, params, [xs, ys], updates.sgd, learning_rate=0.1, function_kwargs=FAST)
+    with pytest.raises(ValueError, match="valid_loss"):
+        quiet(train, patience=1).fit((x_data, y_data), epochs=2)
+    with pytest.raises(ValueError, match="no eval_fn"):
+        quiet(train).fit((x_data, y_data), epochs=1, valid=(x_data, y_data))
+    with pytest.raises(ValueError, match="batch_size"):
+        quiet(train, batch_size=0)
+
+
+def test_progress_bar_and_epoch_summary(ranks, data, capsys):
+    _, _, x_data, y_data = data
+    xs, ys, params, loss, accuracy = model()
+    train = make_train_function(loss, params, [xs, ys], updates.sgd, learning_rate=0.1,
+                                outputs={"accuracy": accuracy}, function_kwargs=FAST)
+    record = Trainer(train, batch_size=15).fit((x_data, y_data), epochs=1)[0]
+    captured = capsys.readouterr()
+    assert "epoch 1, train_loss" in captured.out and "train_accuracy" in captured.out  # the summary line
+    assert "samples/s" in captured.out
+    assert "epoch 1" in captured.err and "sample" in captured.err  # tqdm's bar, on stderr
+    assert 0 <= record["train_accuracy"] <= 1

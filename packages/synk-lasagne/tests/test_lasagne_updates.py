@@ -1,0 +1,196 @@
+"""The update rules in one process (plain PyTensor, no fork): Lasagne's names, defaults and maths
+against numpy, the flat-gradient layout, composition, constraints, errors, and the modules'
+docstring examples."""
+
+from __future__ import annotations
+
+import doctest
+import inspect
+from collections import OrderedDict
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from lasagne_testutil import FAST, NumpyRule, Reference, initial_params, loss_graph, make_data, shared_params
+
+import synk_lasagne
+from synk_lasagne import RuleUpdates, mnist, training, updates
+
+RULES = ["sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta", "adam", "adamax", "amsgrad"]
+
+LASAGNE_DEFAULTS = {  # Lasagne 0.2's signatures
+    "momentum": {"momentum": 0.9},
+    "nesterov_momentum": {"momentum": 0.9},
+    "apply_momentum": {"params": None, "momentum": 0.9},
+    "apply_nesterov_momentum": {"params": None, "momentum": 0.9},
+    "adagrad": {"learning_rate": 1.0, "epsilon": 1e-6},
+    "rmsprop": {"learning_rate": 1.0, "rho": 0.9, "epsilon": 1e-6},
+    "adadelta": {"learning_rate": 1.0, "rho": 0.95, "epsilon": 1e-6},
+    "adam": {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8},
+    "adamax": {"learning_rate": 0.002, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8},
+    "amsgrad": {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8},
+    "norm_constraint": {"norm_axes": None, "epsilon": 1e-7},
+    "total_norm_constraint": {"epsilon": 1e-7, "return_norm": False},
+}
+
+
+@pytest.mark.parametrize("name", list(LASAGNE_DEFAULTS))
+def test_lasagne_defaults(name):
+    params = inspect.signature(getattr(updates, name)).parameters
+    for arg, default in LASAGNE_DEFAULTS[name].items():
+        assert params[arg].default == default, f"{name}({arg}=...) should default to {default}"
+
+
+def test_public_surface():
+    assert set(RULES) | {"apply_momentum", "apply_nesterov_momentum", "norm_constraint",
+                         "total_norm_constraint"} <= set(updates.__all__)
+    for name in synk_lasagne.__all__:
+        assert hasattr(synk_lasagne, name)
+    for name in updates.__all__:
+        obj = getattr(updates, name)
+        assert obj.__doc__ and (name in updates.__doc__ or name == "RuleUpdates"), f"{name} is not in the module map"
+
+
+@pytest.mark.parametrize("module", [updates, training, mnist, synk_lasagne], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    with pytensor.config.change_flags(mode="FAST_COMPILE"):  # the maths, without Numba's cold compile
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_rule_in_one_process_matches_numpy(name):
+    """Size 1: the rule's two functions as plain PyTensor functions, three steps."""
+    x, y = pt.matrix("x"), pt.ivector("y")
+    params = shared_params(initial_params())
+    hyper = {"learning_rate": 0.05} if name not in ("adadelta", "adamax") else {}
+    rule = getattr(updates, name)(loss_graph(x, y, params), params, weight=x.shape[0], **hyper)
+    assert isinstance(rule, RuleUpdates)
+    f_grad = pytensor.function([x, y], [], updates=[u[:2] for u in rule.grad_updates], **FAST)
+    f_step = pytensor.function([], [], updates=rule.param_updates, **FAST)
+    reference, ref_rule, ref = Reference(), NumpyRule(name, **hyper), initial_params()
+    xv, yv = make_data(30)
+    for rows in (slice(0, 10), slice(10, 13), slice(13, 30)):
+        f_grad(xv[rows], yv[rows])
+        f_step()
+        ref = ref_rule.step(ref, reference(xv[rows], yv[rows], ref)[1])
+        for p, e in zip(params, ref):
+            np.testing.assert_allclose(p.get_value(), e, rtol=1e-10, atol=1e-13, err_msg=f"{name}: {p.name}")
+
+
+def test_flat_gradient_layout():
+    """flat_grad = weight * concatenated raveled gradients, then the weight; views divide by it."""
+    x = pt.matrix("x")
+    a = pytensor.shared(np.arange(6.0).reshape(2, 3), name="a")
+    b = pytensor.shared(np.ones(2), name="b")
+    loss = pt.mean(x @ a.T @ b)  # rows of x: 3 values
+    (update,), views, flat = updates.flat_gradient(loss, [a, b], weight=x.shape[0])
+    assert update[0] is flat and update[2] == "sum"
+    assert flat.get_value().shape == (6 + 2 + 1,)
+    xv = np.arange(12.0).reshape(4, 3)
+    pytensor.function([x], [], updates=[update[:2]], **FAST)(xv)
+    ga, gb = pytensor.grad(loss, [a, b])
+    exact_a, exact_b = pytensor.function([x], [ga, gb], **FAST)(xv)
+    np.testing.assert_allclose(flat.get_value(), np.concatenate([4 * exact_a.ravel(), 4 * exact_b, [4.0]]))
+    view_a, view_b = pytensor.function([], views, **FAST)()
+    np.testing.assert_allclose(view_a, exact_a)
+    np.testing.assert_allclose(view_b, exact_b)
+
+
+def test_default_weight_counts_each_rank_once():
+    w = pytensor.shared(np.zeros(2), name="w")
+    rule = updates.sgd(pt.sum(w * np.array([1.0, 2.0])), [w], learning_rate=1.0)
+    grad_updates, param_updates, flat = rule  # unpacks like the seed's triple
+    pytensor.function([], [], updates=[u[:2] for u in grad_updates], **FAST)()
+    np.testing.assert_array_equal(flat.get_value(), [1.0, 2.0, 1.0])
+    pytensor.function([], [], updates=param_updates, **FAST)()
+    np.testing.assert_array_equal(w.get_value(), [-1.0, -2.0])
+
+
+def test_apply_momentum_keeps_lasagne_semantics():
+    w = pytensor.shared(np.ones(3), name="w")
+    plain = OrderedDict([(w, w - 0.5)])
+    with_momentum = updates.apply_momentum(plain, momentum=0.5)
+    assert isinstance(with_momentum, OrderedDict) and len(plain) == 1 and len(with_momentum) == 2
+    f = pytensor.function([], [], updates=with_momentum, **FAST)
+    f()
+    f()  # velocity: -0.5, then 0.5 * -0.5 - 0.5 = -0.75
+    np.testing.assert_allclose(w.get_value(), 1 - 0.5 - 0.75)
+    nesterov = updates.apply_nesterov_momentum(OrderedDict([(w, w - 0.5)]), [w], momentum=0.5)
+    w.set_value(np.ones(3))
+    pytensor.function([], [], updates=nesterov, **FAST)()  # velocity -0.5; w := 0.5 * -0.5 + (1 - 0.5)
+    np.testing.assert_allclose(w.get_value(), 0.25)
+
+
+def test_one_counter_for_every_parameter():
+    params = shared_params(initial_params())
+    x, y = pt.matrix("x"), pt.ivector("y")
+    for name in ("adam", "adamax", "amsgrad"):
+        rule = getattr(updates, name)(loss_graph(x, y, params), params)
+        counters = [v for v in rule.param_updates if v.name == "t"]
+        assert len(counters) == 1, f"{name} has {len(counters)} step counters"
+        pytensor.function([], [], updates=rule.param_updates, **FAST)  # compiles with 4 parameters
+
+
+def test_norm_constraint_matches_numpy():
+    values = np.random.default_rng(0).normal(size=(3, 4, 2, 2)) * 5
+    out = pytensor.function([], updates.norm_constraint(pt.constant(values), 2.0), **FAST)()
+    norms = np.sqrt((values ** 2).sum(axis=(1, 2, 3), keepdims=True))
+    np.testing.assert_allclose(out, values * np.clip(norms, 0, 2.0) / (1e-7 + norms))
+    matrix = np.array([[3.0, 0.1], [4.0, 0.1]])
+    out = pytensor.function([], updates.norm_constraint(pt.constant(matrix), 1.0), **FAST)()
+    np.testing.assert_allclose(np.sqrt((out ** 2).sum(axis=0)), [1.0, np.sqrt(0.02)], rtol=1e-6)
+    with pytest.raises(ValueError, match="norm_axes"):
+        updates.norm_constraint(pt.vector("v"), 1.0)
+
+
+def test_total_norm_constraint_matches_numpy():
+    a, b = np.array([3.0, 0.0]), np.array([[4.0]])
+    (sa, sb), norm = updates.total_norm_constraint([pt.constant(a), pt.constant(b)], 1.0, return_norm=True)
+    out_a, out_b, out_norm = pytensor.function([], [sa, sb, norm], **FAST)()
+    assert out_norm == pytest.approx(5.0)
+    np.testing.assert_allclose(np.concatenate([out_a, out_b.ravel()]), np.array([3.0, 0.0, 4.0]) / 5, rtol=1e-6)
+
+
+def test_bad_arguments():
+    w = pytensor.shared(np.zeros(2), name="w")
+    x = pt.vector("x")
+    loss = pt.sum(w * x)
+    with pytest.raises(ValueError, match="shared variables"):
+        updates.sgd(loss, [x], 0.1)
+    with pytest.raises(ValueError, match="2 gradient expressions for 1"):
+        updates.sgd([x, x], [w], 0.1)
+    with pytest.raises(ValueError, match="scalar"):
+        updates.sgd(w * x, [w], 0.1)
+    with pytest.raises(ValueError, match="empty"):
+        updates.sgd(loss, [], 0.1)
+    with pytest.raises(ValueError, match="more than once"):
+        updates.sgd(loss, [w, w], 0.1)
+    with pytest.raises(ValueError, match="grad_transform returned"):
+        updates.sgd(loss, [w], 0.1, grad_transform=lambda g: [])
+    with pytest.raises(ValueError, match="weight must be a scalar"):
+        updates.sgd(loss, [w], 0.1, weight=x)
+    i = pytensor.shared(np.zeros(2, dtype="int64"), name="i")
+    with pytest.raises(ValueError, match="floating point"):
+        updates.flat_gradient([pt.zeros(2)], [i])
+
+
+def test_float32_params_stay_float32():
+    w = pytensor.shared(np.ones(3, dtype="float32"), name="w")
+    x = pt.matrix("x", dtype="float32")
+    rule = updates.adam(pt.mean(x @ w), [w], learning_rate=0.1, weight=x.shape[0])
+    assert rule.flat_grad.type.dtype == "float32"
+    assert all(expr.dtype == var.type.dtype for var, expr in rule.param_updates.items())
+
+
+def test_layers_import_alone():
+    """synk_lasagne imports without the optional extras (tqdm only when training, sklearn and
+    matplotlib only for the example's data and plot)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, synk_lasagne; "
+            "bad = [m for m in ('sklearn', 'matplotlib', 'tqdm', 'jax') if m in sys.modules]; assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
