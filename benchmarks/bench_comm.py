@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from machine import cpu_model
 
 import synk_comm
 
@@ -39,17 +40,6 @@ MiB = 2**20
 GOAL_LATENCY_US = 50.0
 GOAL_VS_GLOO = 3.0
 GOAL_VS_COPY = 2.0
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def per_call(fn: Callable[[], object], iters: int) -> float:

@@ -26,22 +26,12 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from machine import cpu_model
 
 import synk_shm
 from synk_shm import Data
 
 MiB = 2**20
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def best_seconds(pairs: list[tuple[Callable[[], object], Callable[[], object]]], reps: int

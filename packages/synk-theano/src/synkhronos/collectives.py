@@ -377,8 +377,8 @@ def _agree_on_shapes(rt: Runtime, variables: list[Any], what: str) -> None:
     (one small exchange), so that a mismatch in any of them changes nothing anywhere."""
     if len(variables) < 2:
         return  # one variable: the collective itself checks before it writes
-    mine = np.array([d for var in variables for d in (len(rt.device.get(var).shape), *rt.device.get(var).shape)],
-                    dtype=np.int64)
+    shapes_here = [rt.device.get(var).shape for var in variables]
+    mine = np.array([d for shape in shapes_here for d in (len(shape), *shape)], dtype=np.int64)
     shapes = rt.group.host.all_gather(mine)
     for r, theirs in enumerate(shapes):
         if theirs.shape != mine.shape or not np.array_equal(theirs, shapes[0]):
