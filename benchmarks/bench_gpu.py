@@ -3,10 +3,12 @@
 1. all_reduce of a 256 MB float32 shared variable (``synk.all_reduce``) against raw nccl4py
    all-reduces of 256 MB JAX buffers, in a group of the same size started in the same run.
 2. Data-parallel training step of the DDP anchor MLP (1024 -> 4 x 4096 tanh -> 10, softmax
-   cross-entropy, SGD, global batch 8192, float32; XLA's default matmul precision, i.e. TF32 on
-   Hopper) on 1 GPU and on every GPU, beside PyTorch DDP (TF32) on the same shapes: step time and
-   scaling.  Synkhronos: data scattered once into GPU memory (sliceable shareds, ``batch_s``),
-   gradients written into ONE flat shared vector, all-reduced (avg), then the SGD step.
+   cross-entropy, SGD, float32; XLA's default matmul precision, i.e. TF32 on Hopper) for several
+   global batches on 1 GPU and on every GPU, beside PyTorch DDP (TF32) on the same shapes and the
+   plain PyTensor JAX step on one GPU: step time, scaling, peak GPU memory.  Synkhronos:
+   ``synk_lasagne.make_train_function`` with data scattered once into GPU memory (sliceable
+   shareds, ``batch_s``): one chained command per step (gradient into ONE flat shared vector,
+   NCCL all-reduce, SGD update).
 3. Tiny-call overhead: a synk function on a 4x2 input against the plain PyTensor JAX function.
 4. Throughput against batch size, 1 and n GPUs, ours and DDP's (PNG, when matplotlib exists).
 
@@ -15,11 +17,13 @@ Prints markdown tables and writes ``$OUT/bench_gpu.json`` (and the PNG).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -86,59 +90,127 @@ def raw_nccl(group, nbytes: int, iters: int = 20) -> float:
 
 # --- 2. training step ------------------------------------------------------------------------
 
-def synk_train_step(n: int, batch: int, steps: int = 30) -> float:
+def mlp(xs, ys, rng):
+    """The DDP anchor's MLP on inputs ``xs``/``ys``: (loss, params)."""
     import pytensor
     import pytensor.tensor as pt
 
-    import synkhronos as synk
-
-    synk.fork(n, use_gpu=USE_GPU)
-    rng = np.random.default_rng(0)
     dims = [D] + [H] * L + [C]
     ws = [pytensor.shared((rng.standard_normal((a, b)) / np.sqrt(a)).astype("float32"), name=f"w{i}")
           for i, (a, b) in enumerate(itertools.pairwise(dims))]
     bs = [pytensor.shared(np.zeros(b, dtype="float32"), name=f"b{i}") for i, b in enumerate(dims[1:])]
-    params = ws + bs
-    per_rank = batch // n
-    xs = pytensor.shared(np.zeros((0, D), dtype="float32"), name="xs")
-    ys = pytensor.shared(np.zeros(0, dtype="int32"), name="ys")
     h = xs
     for i, (w, b) in enumerate(zip(ws, bs)):
         h = h @ w + b
         if i < len(ws) - 1:
             h = pt.tanh(h)
     logp = pt.special.log_softmax(h, axis=1)
-    loss = -pt.mean(logp[pt.arange(ys.shape[0]), ys])
-    grads = pytensor.grad(loss, params)
-    sizes = [int(np.prod(p.get_value().shape)) for p in params]
-    flat = pytensor.shared(np.zeros(sum(sizes), dtype="float32"), name="flat_grad")
-    f_grad = synk.function([], outputs=loss, updates=[(flat, pt.concatenate([g.flatten() for g in grads]))],
-                           sliceable_shareds=[xs, ys])
-    offsets = np.cumsum([0, *sizes])
-    f_step = synk.function([], updates=[(p, p - 1e-3 * flat[a:b].reshape(p.shape))
-                                        for p, a, b in zip(params, offsets[:-1], offsets[1:])])
-    xd = synk.data(rng.standard_normal((batch, D)).astype("float32"))
-    yd = synk.data(rng.integers(0, C, batch).astype("int32"))
-    synk.scatter([xs, ys], [xd, yd])
+    return -pt.mean(logp[pt.arange(ys.shape[0]), ys]), ws + bs
 
-    def step() -> None:
-        f_grad(batch_s=slice(0, per_rank))
-        if n > 1:
-            synk.all_reduce(flat, op="avg")
-        f_step()
 
-    for _ in range(5):
-        step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    synk.get_value(0, ws[0])  # the last step has finished in the master
-    seconds = (time.perf_counter() - t0) / steps
+def peak_gpu_bytes() -> int:
+    import jax
+
+    return int(jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0))
+
+
+def synk_train_steps(n: int, batches: list[int], steps: int = 20) -> dict[int, float]:
+    """Seconds per step of ``synk_lasagne``'s training function (one chained command per step:
+    gradient into the flat vector, NCCL all-reduce, SGD update), data resident on the GPUs."""
+    import pytensor
+
+    import synkhronos as synk
+    from synk_lasagne import make_train_function, updates
+
+    synk.fork(n, use_gpu=USE_GPU)
+    rng = np.random.default_rng(0)
+    xs = pytensor.shared(np.zeros((0, D), dtype="float32"), name="xs")
+    ys = pytensor.shared(np.zeros(0, dtype="int32"), name="ys")
+    loss, params = mlp(xs, ys, rng)
+    train = make_train_function(loss, params, [], updates.sgd, sliceable_shareds=[xs, ys], learning_rate=1e-3)
+    top = max(batches)
+    synk.scatter([xs, ys], [synk.data(rng.standard_normal((top, D)).astype("float32")),
+                            synk.data(rng.integers(0, C, top).astype("int32"))])
+    times = {}
+    for batch in batches:
+        rows = slice(0, batch // n)
+        for _ in range(5):
+            train(batch_s=rows)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            train(batch_s=rows)  # returns the loss: every step ends with the host holding it
+        synk.get_value(0, params[0])  # the last update has finished
+        times[batch] = (time.perf_counter() - t0) / steps
+    times[-1] = peak_gpu_bytes() if USE_GPU else 0
     synk.close()
-    return seconds
+    return times
 
 
-def ddp_worker(rank: int, n: int, batch: int, path: str, q) -> None:
+def _child(target, args, q) -> None:
+    q.put(target(*args))
+
+
+@contextlib.contextmanager
+def gpus_visible(devices: list[str]):
+    """Processes started in the body see ``devices`` (``synk.fork`` pinned this one to its GPU)."""
+    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_PREALLOCATE")}
+    os.environ.update(CUDA_VISIBLE_DEVICES=",".join(devices), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def in_child(target, args: tuple, devices: list[str]) -> Any:
+    """``target(*args)`` in a fresh interpreter that sees ``devices``: its own GPU memory peak."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with gpus_visible(devices):
+        p = ctx.Process(target=_child, args=(target, args, q))
+        p.start()
+    result = q.get(timeout=400)
+    p.join()
+    return result
+
+
+def plain_worker(batches: list[int], steps: int = 20) -> dict[int, float]:
+    """PyTensor JAX on one GPU, no Synkhronos: the fused step (gradient and SGD update in one
+    function) of the whole batch, its loss read every step."""
+    import jax
+    import pytensor
+    import pytensor.tensor as pt
+
+    rng = np.random.default_rng(0)
+    x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
+    loss, params = mlp(x, y, rng)
+    grads = pytensor.grad(loss, params)
+    f = pytensor.function([x, y], loss, updates=[(p, p - np.float32(1e-3) * g) for p, g in zip(params, grads)],
+                          mode="JAX")
+    f.trust_input = True
+    dev = jax.devices()[0]
+    for p in params:
+        p.container.storage[0] = jax.device_put(p.get_value(), dev)
+    times = {}
+    for batch in batches:
+        xd = jax.device_put(rng.standard_normal((batch, D)).astype("float32"), dev)
+        yd = jax.device_put(rng.integers(0, C, batch).astype("int32"), dev)
+        for _ in range(5):
+            np.asarray(f(xd, yd))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            np.asarray(f(xd, yd))
+        times[batch] = (time.perf_counter() - t0) / steps
+    times[-1] = peak_gpu_bytes()
+    return times
+
+
+def ddp_worker(rank: int, n: int, batches: list[int], path: str, q, steps: int = 20) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -156,50 +228,54 @@ def ddp_worker(rank: int, n: int, batch: int, path: str, q) -> None:
     if n > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[rank])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(batch // n, D, device="cuda")
-    y = torch.randint(0, C, (batch // n,), device="cuda")
     lossf = nn.CrossEntropyLoss()
+    times = {}
+    for batch in batches:
+        x = torch.randn(batch // n, D, device="cuda")
+        y = torch.randint(0, C, (batch // n,), device="cuda")
 
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        loss = lossf(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
+        def step(x: Any = x, y: Any = y) -> Any:
+            opt.zero_grad(set_to_none=True)
+            loss = lossf(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
 
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(30):
-        step().item()  # like ours: the loss comes back to the host every step
-    torch.cuda.synchronize()
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step().item()  # like ours: the loss comes back to the host every step
+        times[batch] = (time.perf_counter() - t0) / steps
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()  # the DDP anchor's loop: the host runs ahead, one synchronisation at the end
+        torch.cuda.synchronize()
+        times[-batch] = (time.perf_counter() - t0) / steps
     if n > 1:
         dist.destroy_process_group()
-    q.put((rank, (time.perf_counter() - t0) / 30))
+    q.put((rank, times))
 
 
-def ddp_step(n: int, batch: int) -> float:
+def ddp_steps(n: int, batches: list[int]) -> dict[int, float]:
+    """Seconds per step of PyTorch DDP (key ``batch``: loss read every step; key ``-batch``: the
+    anchor's loop without it), the slowest rank's."""
     import multiprocessing as mp
 
     from synkhronos.gpu import visible_devices
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    path = f"/tmp/ddp_{os.getpid()}_{n}_{batch}"
-    procs = [ctx.Process(target=ddp_worker, args=(r, n, batch, path, q)) for r in range(n)]
-    pinned = os.environ.get("CUDA_VISIBLE_DEVICES")  # synk.fork pinned this process to its GPU
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices())
-    try:
+    path = f"/tmp/ddp_{os.getpid()}_{n}"
+    procs = [ctx.Process(target=ddp_worker, args=(r, n, batches, path, q)) for r in range(n)]
+    with gpus_visible(visible_devices()):
         for p in procs:
             p.start()
-    finally:
-        if pinned is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = pinned
-    times = [q.get(timeout=120)[1] for _ in procs]
+    per_rank = [q.get(timeout=300)[1] for _ in procs]
     for p in procs:
         p.join()
-    return max(times)
+    return {k: max(t[k] for t in per_rank) for k in per_rank[0]}
 
 
 # --- 3. call overhead ----------------------------------------------------------------------------
@@ -263,22 +339,34 @@ def main() -> None:
           f"overhead {(overhead - plain) * 1e6:.1f} us", flush=True)
 
     batches = [int(b) for b in os.environ.get("SYNK_BENCH_BATCHES", "2048,8192,16384").split(",")]
-    table = {}
-    for batch in batches:
-        row = {}
-        for k in sorted({1, n}):
-            row[f"synk_{k}"] = synk_train_step(k, batch)
-            row[f"ddp_{k}"] = ddp_step(k, batch)
-        table[batch] = row
-        print(f"batch {batch}: " + ", ".join(f"{key} {v * 1e3:.2f} ms" for key, v in row.items()), flush=True)
-    results["train_step_s"] = table
-    print(f"\n## training step (MLP {D}->{L}x{H}->{C}, float32, TF32 matmuls on both sides)\n")
-    print(f"| global batch | ours 1 GPU | ours {n} GPUs | ours scaling | DDP 1 GPU | DDP {n} GPUs | DDP scaling |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    from synkhronos.gpu import visible_devices
+
+    devices = visible_devices()
+    runs = {"plain_1": in_child(plain_worker, (batches,), devices[:1]) if USE_GPU else {}}
+    for k in sorted({1, n}):  # each in a fresh master: its own GPU memory peak
+        runs[f"synk_{k}"] = in_child(synk_train_steps, (k, batches), devices) if USE_GPU else \
+            synk_train_steps(k, batches)
+        runs[f"ddp_{k}"] = ddp_steps(k, batches) if USE_GPU else {}
+        print(f"{k} GPU(s): " + ", ".join(f"{key} {v}" for key, v in runs.items()), flush=True)
+    if not USE_GPU:
+        print(runs)
+        return
+    results["train_step_s"] = runs
+    table = {b: {key: runs[key][b] for key in runs} | {f"ddp_{k}_nosync": runs[f"ddp_{k}"][-b] for k in {1, n}}
+             for b in batches}
+    print(f"\n## training step (MLP {D}->{L}x{H}->{C}, float32, TF32 matmuls on both sides; ms per step)\n")
+    print(f"| global batch | PyTensor JAX 1 GPU | ours 1 GPU | ours {n} GPUs | ours scaling | ours {n} vs plain | "
+          f"DDP 1 GPU | DDP {n} GPUs | DDP scaling | DDP {n} GPUs, no per-step sync |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch, row in table.items():
-        print(f"| {batch} | {row['synk_1'] * 1e3:.2f} ms | {row[f'synk_{n}'] * 1e3:.2f} ms | "
-              f"{row['synk_1'] / row[f'synk_{n}']:.2f}x | {row['ddp_1'] * 1e3:.2f} ms | "
-              f"{row[f'ddp_{n}'] * 1e3:.2f} ms | {row['ddp_1'] / row[f'ddp_{n}']:.2f}x |")
+        print(f"| {batch} | {row['plain_1'] * 1e3:.2f} | {row['synk_1'] * 1e3:.2f} | {row[f'synk_{n}'] * 1e3:.2f} | "
+              f"{row['synk_1'] / row[f'synk_{n}']:.2f}x | {row['plain_1'] / row[f'synk_{n}']:.2f}x | "
+              f"{row['ddp_1'] * 1e3:.2f} | {row[f'ddp_{n}'] * 1e3:.2f} | {row['ddp_1'] / row[f'ddp_{n}']:.2f}x | "
+              f"{row[f'ddp_{n}_nosync'] * 1e3:.2f} |")
+    mib = 1 << 20
+    print(f"\nPeak GPU memory of GPU 0 over the batches (the largest): PyTensor JAX 1 GPU "
+          f"{runs['plain_1'][-1] / mib:.0f} MiB, ours 1 GPU {runs['synk_1'][-1] / mib:.0f} MiB, "
+          f"ours {n} GPUs {runs[f'synk_{n}'][-1] / mib:.0f} MiB")
     with open(os.path.join(OUT, "bench_gpu.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     try:
@@ -288,8 +376,10 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for key, style in [("synk_1", "o-"), (f"synk_{n}", "o-"), ("ddp_1", "s--"), (f"ddp_{n}", "s--")]:
-            ax.plot(batches, [b / table[b][key] for b in batches], style, label=key.replace("_", ", ") + " GPU(s)")
+        for key, style in [("synk_1", "o-"), (f"synk_{n}", "o-"), ("ddp_1", "s--"), (f"ddp_{n}", "s--"),
+                           ("plain_1", "x:")]:
+            label = {"synk": "Synkhronos", "ddp": "PyTorch DDP", "plain": "PyTensor JAX alone"}[key.split("_")[0]]
+            ax.plot(batches, [b / table[b][key] for b in batches], style, label=f"{label}, {key[-1]} GPU")
         ax.set_xlabel("global batch")
         ax.set_ylabel("samples / s")
         ax.set_xscale("log", base=2)

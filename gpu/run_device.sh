@@ -7,17 +7,26 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/synk-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/packages/synk-shm/src:$PWD/packages/synk-comm/src:$PWD/packages/synk-theano/src
+export PYTHONPATH=/tmp/site:$PWD/packages/synk-shm/src:$PWD/packages/synk-comm/src:$PWD/packages/synk-theano/src:$PWD/packages/synk-lasagne/src
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | bench
-[ "$what" = bench ] || for suite in packages/synk-comm/tests/test_comm_gpu.py packages/synk-theano/tests/test_synk_gpu.py; do
+what=${1:-all}  # all | tests | bench | profile | mnist
+case "$what" in all|tests) ;; *) false;; esac && for suite in packages/synk-comm/tests/test_comm_gpu.py packages/synk-theano/tests/test_synk_gpu.py; do
   python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
 done
-if [ "$what" != tests ]; then
+if [ "$what" = all ] || [ "$what" = mnist ]; then  # the main job on every GPU, both data patterns
+  for pattern in host scatter; do
+    python3 examples/mnist/train_mnist.py --pattern $pattern --plot "$OUT/mnist_gpu_$pattern.png" 2>&1 \
+      | tee "$OUT/mnist_gpu_$pattern.log" || status=1
+  done
+fi
+if [ "$what" = profile ]; then
+  python3 benchmarks/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
   python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu.log" || status=1
 fi
 exit $status

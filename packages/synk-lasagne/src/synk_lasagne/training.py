@@ -92,6 +92,9 @@ class TrainFunction:
         Computes the loss (and outputs) and writes each rank's gradient into ``flat_grad``.
     step_fn : synkhronos.Function
         Applies the update from the all-reduced ``flat_grad`` in every rank, then zeros it.
+    chain : synkhronos.Chain
+        ``grad_fn``, the all-reduce of ``flat_grad`` (avg) and ``step_fn`` as one command: what a
+        call runs.
     rule : RuleUpdates
         What the update rule returned.
     params : list of shared variables
@@ -103,8 +106,11 @@ class TrainFunction:
 
     def __init__(self, grad_fn: Any, step_fn: Any, rule: RuleUpdates, params: list[Any],
                  output_names: list[str], inputs: list[Any], sliceable_shareds: list[Any]) -> None:
+        import synkhronos as synk
+
         self.grad_fn = grad_fn
         self.step_fn = step_fn
+        self.chain = synk.chain(grad_fn, all_reduce=rule.flat_grad, op="avg", then=step_fn)
         self.rule = rule
         self.params = params
         kept = set(params)
@@ -149,13 +155,9 @@ class TrainFunction:
             For an empty batch (no rank would have anything to learn from), and every error of a
             Synkhronos call.
         """
-        import synkhronos as synk
-
         if _empty(batch):
             raise ValueError("the batch is empty: a training step needs at least one row")
-        out = self.grad_fn(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
-        synk.all_reduce(self.rule.flat_grad, op="avg")
-        self.step_fn()
+        out = self.chain(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
         return out[0] if len(self.output_names) == 1 else out
 
     def __repr__(self) -> str:
@@ -168,9 +170,10 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
                         function_kwargs: Mapping[str, Any] | None = None, **hyperparameters: Any) -> TrainFunction:
     """A callable that runs one data-parallel training step: gradient, all-reduce, update.
 
-    Two Synkhronos functions and one collective per call: ``grad_fn`` (every rank: the loss and
-    its gradient on its share of the batch, into the flat gradient), ``synk.all_reduce(flat_grad,
-    "avg")``, ``step_fn`` (every rank: the same update).  Call it as a Synkhronos function:
+    Two Synkhronos functions and one collective, chained into one command per call
+    (:func:`synkhronos.chain`): ``grad_fn`` (every rank: the loss and its gradient on its share of
+    the batch, into the flat gradient), the all-reduce of the flat gradient (avg), ``step_fn``
+    (every rank: the same update).  Call it as a Synkhronos function:
     ``train(x_data, y_data, batch=indices)`` for data in host shared memory, or
     ``train(batch_s=rows)`` for data scattered into sliceable shared variables.
 

@@ -56,7 +56,13 @@ class CallPlan:
 
     @staticmethod
     def length(n_data: int, n_subset: int, size: int) -> int:
+        """Scratch slots of a plan with ``n_data`` Data and ``n_subset`` output indices."""
         return HEADER + n_data + n_subset + 5 * size
+
+    @staticmethod
+    def length_of(scratch: np.ndarray, size: int) -> int:
+        """Scratch slots of the plan that :func:`encode` wrote into ``scratch``."""
+        return CallPlan.length(int(scratch[5]), max(int(scratch[6]), 0), size)
 
 
 def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
@@ -133,8 +139,11 @@ def _indices(rt: Runtime, plan: CallPlan) -> np.ndarray:
     return values
 
 
-def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[np.ndarray]]:
-    """Run this rank's share of a call; returns (weight, outputs combined over its slices)."""
+def execute(rt: Runtime, plan: CallPlan, to_host: bool = True) -> tuple[float, list[Any]]:
+    """Run this rank's share of a call; returns (weight, outputs combined over its slices).
+
+    ``to_host=False`` leaves one-pass outputs on the device, not waited for (see
+    :meth:`Replica.run <synkhronos.replica.Replica.run>`)."""
     rep = rt.replicas[plan.fid]
     spec = rep.spec
     datas = [rt.data[d] for d in plan.data_ids]
@@ -174,13 +183,17 @@ def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[np.ndarray]]:
         rt.group.barrier()
     if weight == 0:
         return 0.0, []
-    outputs = rep.run(scattered, bcast, sliceable_rows, plan.subset, plan.num_slices, n_rows)
+    outputs = rep.run(scattered, bcast, sliceable_rows, plan.subset, plan.num_slices, n_rows, to_host)
     return weight, outputs
 
 
 def share(rt: Runtime, plan: CallPlan) -> list[np.ndarray]:
     """Execute this rank's share: ``[weight, *outputs]``, which a worker replies to the master."""
-    weight, outputs = execute(rt, plan)
+    return reply(rt, *execute(rt, plan))
+
+
+def reply(rt: Runtime, weight: float, outputs: Sequence[Any]) -> list[np.ndarray]:
+    """``[weight, *outputs]`` in host memory; a worker replies it to the master."""
     result = [np.array(weight), *(np.asarray(o) for o in outputs)]
     if not rt.is_master:
         rt.group.reply(result)

@@ -13,7 +13,8 @@ nothing anywhere):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,18 @@ from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
 __all__ = ["Function", "function"]
 
 CALL = "synkhronos.call"
+
+
+@contextmanager
+def _selection_errors() -> Iterator[None]:
+    """A command whose every failing rank found a bad ``batch_s`` selection raises one
+    :class:`~synkhronos.calls.SelectionError` (not a WorkerError)."""
+    try:
+        yield
+    except WorkerError as exc:
+        if all(e.type_name == "SelectionError" for e in exc.errors):
+            raise calls.SelectionError("; ".join(e.message for e in exc.errors)) from None
+        raise
 
 
 class Function:
@@ -112,32 +125,41 @@ class Function:
             function without sliceable shareds; ``num_slices`` < 1 or nothing to slice.
         """
         rt = get_runtime()
+        subset = self._subset(output_subset)
+        plan = self._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices)
+        with _selection_errors(), rt.group.command(CALL):
+            own = calls.share(rt, plan)
+        return self._gather(rt, own, subset)
+
+    def _prepare(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], subset: tuple[int, ...] | None,
+                 batch: Any, batch_s: Any, num_slices: Any, extra_slots: int = 0) -> calls.CallPlan:
+        """Every check of a call, then its plan written into the shared scratch slots (after which
+        the command may start).  ``extra_slots``: scratch slots the caller writes after the plan."""
         if not rt.is_master:
             raise RuntimeError("synkhronos functions are called in the master only")
-        if rt.replicas.get(self._spec.fid) is not self._replica:  # its id may name another function now
-            raise RuntimeError(f"{self!r} was built for a group that is closed: build it again with "
-                               "synk.function() after synk.fork()")
+        self._require_current(rt)
         from synkhronos.distribution import ensure_distributed
 
         ensure_distributed(rt)
         data_registry.flush_dropped(rt)
         datas = self._bind(args, kwargs)
-        subset = self._subset(output_subset)
         group = rt.group
-        length = calls.CallPlan.length(len(datas), len(subset or ()), rt.size)
+        length = calls.CallPlan.length(len(datas), len(subset or ()), rt.size) + extra_slots
         if length > len(group.scratch):  # before _plan, which may register Data with the workers
             raise ValueError(f"this call needs {length} argument slots; fork(max_n_var=...) reserved "
                              f"{len(group.scratch)}: fork with a larger max_n_var")
         plan = self._plan(rt, datas, subset, batch, batch_s, num_slices)
         calls.encode(plan, group.scratch, rt.size)
-        try:
-            with group.command(CALL):
-                own = calls.share(rt, plan)
-        except WorkerError as exc:
-            if all(e.type_name == "SelectionError" for e in exc.errors):
-                raise calls.SelectionError("; ".join(e.message for e in exc.errors)) from None
-            raise
-        shares = group.replies()
+        return plan
+
+    def _require_current(self, rt: Runtime) -> None:
+        if rt.replicas.get(self._spec.fid) is not self._replica:  # its id may name another function now
+            raise RuntimeError(f"{self!r} was built for a group that is closed: build it again with "
+                               "synk.function() after synk.fork()")
+
+    def _gather(self, rt: Runtime, own: list[np.ndarray], subset: tuple[int, ...] | None) -> Any:
+        """The combined outputs, from the master's share and the workers' replies."""
+        shares = rt.group.replies()
         shares[rt.rank] = own
         return self._combine([shares[r] for r in range(rt.size)], subset)
 

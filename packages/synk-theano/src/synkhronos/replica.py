@@ -91,18 +91,20 @@ class Replica:
 
     # -- a rank's share of a call ---------------------------------------------------------------
     def run(self, scattered: Sequence[Any], bcast: Sequence[Any], sliceable_rows: Sequence[Any] | None,
-            subset: Subset, num_slices: int, n_rows: int) -> list[np.ndarray]:
+            subset: Subset, num_slices: int, n_rows: int, to_host: bool = True) -> list[Any]:
         """Compute this rank's outputs (combined over slices) and apply its updates locally.
 
         ``scattered`` are this rank's rows of the scattered inputs, ``bcast`` the whole broadcast
         inputs, ``sliceable_rows`` the row selection (a slice with concrete bounds, or an index
         array) of each sliceable shared variable, None when the call has no ``batch_s``;
-        ``n_rows`` the rows this rank computes on.
+        ``n_rows`` the rows this rank computes on.  With ``to_host=False`` the outputs of a
+        one-pass call stay where they were computed (on a GPU: not waited for).
         """
         spec = self.spec
         if num_slices == 1 and sliceable_rows is None:
             outs = self.full(subset)(*scattered, *bcast)
-            return [np.asarray(o) for o in (outs if isinstance(outs, list) else [outs])]
+            outs = outs if isinstance(outs, list) else [outs]
+            return [np.asarray(o) for o in outs] if to_host else outs
         fn = self.parts(subset)
         device = self.device
         n_out = len(self._outputs(subset))

@@ -12,7 +12,7 @@ import cProfile
 import os
 
 from synk_comm import Group, handler
-from synkhronos import calls, collectives, data_registry, distribution  # noqa: F401 - register handlers
+from synkhronos import calls, chain, collectives, data_registry, distribution  # noqa: F401 - register handlers
 from synkhronos.device import CpuDevice, Device
 from synkhronos.function import CALL
 from synkhronos.runtime import Runtime, current, set_current

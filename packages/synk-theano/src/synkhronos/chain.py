@@ -1,0 +1,154 @@
+"""``synkhronos.chain``: a call, an all-reduce and a second call, run as ONE command.
+
+A data-parallel training step is three operations: every rank computes its gradient (a call of
+one function), the ranks all-reduce it (a collective), every rank applies the same update (a
+call of a second function, without inputs).  Issued one by one they cost three commands: three
+round trips between the master and the workers and, on GPUs, a wait for each to finish.  A
+:class:`Chain` runs the three in one command with exactly the same result as::
+
+    out = first(*data, batch=..., batch_s=..., num_slices=...)
+    synk.all_reduce(shared_vars, op)
+    then()
+    return out
+
+How it travels: the first call's plan goes into the shared scratch slots as for any call
+(:mod:`synkhronos.calls`), followed by the chain's tail ``[then's id, op, n, shared ids...]``;
+no pickling.  Every rank runs its share of ``first``, then all ranks meet at a barrier (if any
+rank failed, every other rank stops there, so that none waits forever inside NCCL), all-reduce
+(NCCL in GPU mode; nothing with one rank), and run ``then``.
+
+On GPUs nothing waits that need not: the first call's outputs are not copied to the host until
+the all-reduce (which must wait for the gradient) is done, and ``then`` is queued behind the
+all-reduce without being waited for; the next command's work queues behind it on the same GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from synk_comm import Group, handler
+from synk_comm.ops import as_op
+from synkhronos import calls
+from synkhronos.collectives import _all_reduce, _prepare
+from synkhronos.function import Function, _selection_errors
+from synkhronos.runtime import Runtime, describe
+
+__all__ = ["Chain", "chain"]
+
+CHAIN = "synkhronos.chain"
+OPS = ("avg", "sum", "prod", "max", "min")
+
+
+class Chain:
+    """``first``, an all-reduce, ``then``: one command per call (made by :func:`chain`).
+
+    Call it as ``first``; it returns what ``first`` returns.
+    """
+
+    def __init__(self, first: Function, shared_vars: list[Any], op: str, then: Function | None) -> None:
+        self.first = first
+        self.shared_vars = shared_vars
+        self.op = op
+        self.then = then
+
+    def __repr__(self) -> str:
+        names = ", ".join(describe(v) for v in self.shared_vars)
+        return f"<synkhronos.Chain {self.first!r} -> all_reduce({names}, {self.op!r}) -> {self.then!r}>"
+
+    def __call__(self, *args: Any, output_subset: Sequence[int] | None = None, batch: Any = None,
+                 batch_s: Any = None, num_slices: int = 1, **kwargs: Any) -> Any:
+        """Run the chain; arguments and result as for :meth:`Function.__call__
+        <synkhronos.function.Function.__call__>` of ``first``."""
+        first = self.first
+        subset = first._subset(output_subset)
+        rt, _, sids, _ = _prepare(self.shared_vars)  # distributes new functions first
+        if self.then is not None:
+            self.then._require_current(rt)
+        tail = [-1 if self.then is None else self.then._spec.fid, OPS.index(self.op), len(sids), *sids]
+        plan = first._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices, extra_slots=len(tail))
+        offset = calls.CallPlan.length(len(plan.data_ids), len(subset or ()), rt.size)
+        rt.group.scratch[offset:offset + len(tail)] = tail
+        with _selection_errors(), rt.group.command(CHAIN):
+            own = _run(rt, plan, offset)
+        return first._gather(rt, own, subset)
+
+
+def chain(first: Function, all_reduce: Any, op: str = "avg", then: Function | None = None) -> Chain:
+    """One command that calls ``first``, all-reduces shared variables, then calls ``then``.
+
+    Parameters
+    ----------
+    first : Function
+        Called with the chain's arguments (Data, ``batch``, ``batch_s``, ``num_slices``...).
+    all_reduce : shared variable or list of them
+        All-reduced after ``first`` (typically the flat gradient that ``first`` updates).
+    op : str, optional
+        ``"avg"`` (default), ``"sum"``, ``"prod"``, ``"max"`` or ``"min"``.
+    then : Function, optional
+        Called after the all-reduce; it must take no inputs and return no outputs (typically
+        the update rule's step).
+
+    Returns
+    -------
+    Chain
+        Call it as ``first``: ``chain(...)(x_data, batch=rows)`` returns ``first``'s outputs.
+
+    Raises
+    ------
+    TypeError
+        If ``first`` or ``then`` is not a Synkhronos function, or a variable is not shared.
+    ValueError
+        For an unknown ``op``, an op the variables' dtype does not support, or a ``then``
+        with inputs or outputs.
+
+    Examples
+    --------
+    >>> step = synk.chain(grad_fn, all_reduce=flat_grad, op="avg", then=update_fn)  # doctest: +SKIP
+    >>> loss = step(x_data, y_data, batch=rows)                                      # doctest: +SKIP
+    """
+    from pytensor.compile.sharedvalue import SharedVariable
+
+    if not isinstance(first, Function):
+        raise TypeError(f"first must be a synkhronos Function, got {first!r}")
+    if then is not None:
+        if not isinstance(then, Function):
+            raise TypeError(f"then must be a synkhronos Function or None, got {then!r}")
+        if then.inputs or then.bcast_inputs or then._spec.outputs:
+            raise ValueError(f"then={then!r} must take no inputs and return no outputs: it runs after the "
+                             "all-reduce with nothing to read but shared variables")
+    variables = list(all_reduce) if isinstance(all_reduce, (list, tuple)) else [all_reduce]
+    if not variables:
+        raise ValueError("all_reduce needs at least one shared variable")
+    for var in variables:
+        if not isinstance(var, SharedVariable):
+            raise TypeError(f"all_reduce takes PyTensor shared variables, got {var!r}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    for var in variables:
+        as_op(op, var.type.dtype)
+    return Chain(first, variables, op, then)
+
+
+def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
+    """This rank's part of a chain: its share of ``first``, the all-reduce, ``then``."""
+    scratch = rt.group.scratch
+    then_fid, op_code, n = (int(v) for v in scratch[offset:offset + 3])
+    variables = [rt.shared[int(sid)] for sid in scratch[offset + 3:offset + 3 + n]]
+    weight, outputs = calls.execute(rt, plan, to_host=False)
+    rt.group.barrier()  # every rank's share succeeded: none is left alone inside the all-reduce
+    if rt.size > 1:
+        _all_reduce(rt, variables, OPS[op_code], nccl=True)
+    if then_fid >= 0:
+        rt.replicas[then_fid].run([], [], None, None, 1, 1, to_host=False)
+    return calls.reply(rt, weight, outputs)
+
+
+@handler(CHAIN)
+def _chain(group: Group, _payload: None) -> None:
+    from synkhronos.worker import runtime
+
+    rt = runtime(group)
+    _run(rt, calls.decode(group.scratch, rt.size), calls.CallPlan.length_of(group.scratch, rt.size))
