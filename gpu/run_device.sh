@@ -15,18 +15,18 @@ python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__
 status=0
 what=${1:-all}  # all | tests | bench | profile | mnist
 case "$what" in all|tests) ;; *) false;; esac && for suite in packages/synk-comm/tests/test_comm_gpu.py packages/synk-theano/tests/test_synk_gpu.py; do
-  python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
+  timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
 done
 if [ "$what" = all ] || [ "$what" = mnist ]; then  # the main job on every GPU, both data patterns
   for pattern in host scatter; do
-    python3 examples/mnist/train_mnist.py --pattern $pattern --plot "$OUT/mnist_gpu_$pattern.png" 2>&1 \
+    timeout 240 python3 examples/mnist/train_mnist.py --no-progress --pattern $pattern --plot "$OUT/mnist_gpu_$pattern.png" 2>&1 \
       | tee "$OUT/mnist_gpu_$pattern.log" || status=1
   done
 fi
 if [ "$what" = profile ]; then
-  python3 benchmarks/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
+  timeout 300 python3 benchmarks/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu.log" || status=1
+  timeout 480 python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu.log" || status=1
 fi
 exit $status
