@@ -9,7 +9,8 @@ with its neighbours.
 * all_reduce latency: 8 bytes (2 float32), ``group.all_reduce(x, "sum", out=y)`` in a loop
   (gloo: ``dist.all_reduce(t)``, in place);
 * all_reduce time of 64 MiB of float32 (16 Mi elements): one call per repetition, after a barrier,
-  into a preallocated ``out`` (gloo reduces in place too); and once more returning a new array;
+  into a preallocated ``out`` (the goal's row); in place (``out=x``, as gloo reduces); and
+  returning a new array;
 * the floor: a plain numpy copy of 64 MiB (``np.copyto``) in rank 0, while rank 1 waits.
 
 Times are rank 0's; the median of the repetitions, with the fastest in parentheses.  Everything
@@ -64,12 +65,14 @@ def measure(group: synk_comm.Group, port: int, reps: int, iters: int, mib: int) 
     small, small_out = np.ones(2, np.float32), np.empty(2, np.float32)
     big = np.full(n_big, float(group.rank + 1), np.float32)
     big_out = np.empty_like(big)
+    big_inplace = big.copy()  # doubles on every call: 2**(6 + reps) stays far from float32's range
     copy_src, copy_dst = np.ones(n_big, np.float32), np.empty(n_big, np.float32)
 
     ours: dict[str, Callable[[], object]] = {
         "barrier": group.barrier,
         "small": lambda: group.all_reduce(small, "sum", out=small_out),
         "big": lambda: group.all_reduce(big, "sum", out=big_out),
+        "big_inplace": lambda: group.all_reduce(big_inplace, "sum", out=big_inplace),
         "big_new": lambda: group.all_reduce(big, "sum"),
     }
     gloo: dict[str, Callable[[], object]] | None = None
@@ -178,6 +181,9 @@ def main() -> None:
     print(f"| all_reduce {args.mib} MiB float32 into `out`, ms | {fmt_ms(g('ours.big'))} | {fmt_ms(g('gloo.big'))} "
           f"| {fmt_ms(g('copy'))} | {ratio(g('gloo.big'), g('ours.big'))} | {ratio(g('ours.big'), g('copy'))} "
           f"| {goal_big} |")
+    print(f"| all_reduce {args.mib} MiB float32 in place (`out=x`), ms | {fmt_ms(g('ours.big_inplace'))} | "
+          f"{fmt_ms(g('gloo.big'))} | | {ratio(g('gloo.big'), g('ours.big_inplace'))} | "
+          f"{ratio(g('ours.big_inplace'), g('copy'))} | |")
     print(f"| all_reduce {args.mib} MiB float32, new result array, ms | {fmt_ms(g('ours.big_new'))} | | | "
           f"{ratio(g('gloo.big'), g('ours.big_new'))} | {ratio(g('ours.big_new'), g('copy'))} | |")
     print(f"| numpy copy {args.mib} MiB (`np.copyto`), ms | | | {fmt_ms(g('copy'))} | | | the floor |")

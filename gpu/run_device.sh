@@ -13,10 +13,13 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | bench | profile | mnist
+what=${1:-all}  # all | tests | bench | comm | profile | mnist
 case "$what" in all|tests) ;; *) false;; esac && for suite in packages/synk-comm/tests/test_comm_gpu.py packages/synk-theano/tests/test_synk_gpu.py; do
   timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
 done
+# every CPU-mode scenario of the synkhronos suite again, in GPU mode (float64: the tests' numpy data)
+case "$what" in all|tests) ;; *) false;; esac && { SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 420 \
+  python3 -m pytest -p no:cacheprovider -q packages/synk-theano/tests 2>&1 | tee "$OUT/gpu_suite.log" || status=1; }
 if [ "$what" = all ] || [ "$what" = mnist ]; then  # the main job on every GPU, both data patterns
   for pattern in host scatter; do
     timeout 240 python3 examples/mnist/train_mnist.py --no-progress --pattern $pattern --plot "$OUT/mnist_gpu_$pattern.png" 2>&1 \
@@ -25,6 +28,9 @@ if [ "$what" = all ] || [ "$what" = mnist ]; then  # the main job on every GPU, 
 fi
 if [ "$what" = profile ]; then
   timeout 300 python3 benchmarks/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
+fi
+if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = comm ]; then
+  timeout 180 python3 benchmarks/bench_comm_gpu.py 2>&1 | tee "$OUT/bench_comm_gpu.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   timeout 480 python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu.log" || status=1

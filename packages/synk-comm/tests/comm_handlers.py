@@ -79,6 +79,15 @@ def _run_collective(group: synk_comm.Group, spec: dict[str, Any]) -> Any:
             res = group.all_reduce(x, spec["op"], out=view)
             assert res is view, "all_reduce(out=view) must return the view"
             return big[::2].copy()
+        if out == "overlap":
+            # ``out`` overlaps the input, shifted by one row: the input must be read before
+            # ``out`` is written
+            buf = np.zeros((x.shape[0] + 1, *x.shape[1:]), x.dtype)
+            buf[1:] = x
+            dest = buf[:-1]
+            res = group.all_reduce(buf[1:], spec["op"], out=dest)
+            assert res is dest, "all_reduce(out=view) must return the view"
+            return dest.copy()
         if out == "noncontig_input":
             big = np.zeros((2 * x.shape[0], *x.shape[1:]), x.dtype)
             big[::2] = x
@@ -216,3 +225,20 @@ def modules_loaded(group: synk_comm.Group, names: list[str]) -> list[bool]:
 
 def all_reduce_ranks(group: synk_comm.Group) -> np.ndarray:
     return group.all_reduce(np.full(3, float(group.rank)), "sum")
+
+
+@synk_comm.handler("set_pipeline")
+def set_pipeline(group: synk_comm.Group, payload: Any) -> None:
+    """Force (True, False) or restore (None) the pipelined all-reduce in every rank; a list gives
+    each rank its own value."""
+    group.host.pipeline = payload[group.rank] if isinstance(payload, list) else payload
+
+
+@synk_comm.handler("big_all_reduce_loop")
+def big_all_reduce_loop(group: synk_comm.Group, payload: Any) -> None:
+    """``payload["calls"]`` all-reduces of ``payload["n"]`` float32 into ``out``, pipelined."""
+    group.host.pipeline = True
+    x = np.ones(int(payload["n"]), np.float32)
+    out = np.empty_like(x)
+    for _ in range(int(payload["calls"])):
+        group.all_reduce(x, "sum", out=out)

@@ -9,8 +9,10 @@ roots.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import synk_comm
-from synk_comm.shm_collectives import CHUNKED_MIN_BYTES
+from synk_comm.shm_collectives import CHUNKED_MIN_BYTES, PIPELINE_BLOCK_BYTES, REDUCE_BLOCK_BYTES
 
 # --- the groups -----------------------------------------------------------------------------------
 
@@ -196,7 +198,7 @@ def test_reduce_scatter(group, op_dtype, shape, seed):
 @pytest.mark.parametrize(("op", "dtype"), [("sum", "float32"), ("avg", "float64"), ("prod", "int64"),
                                            ("sum", "complex128"), ("max", "float16"), ("min", "int16"),
                                            ("sum", "uint8"), ("avg", "complex64")])
-@pytest.mark.parametrize("out", [None, "inplace", "strided", "noncontig_input"])
+@pytest.mark.parametrize("out", [None, "inplace", "strided", "noncontig_input", "overlap"])
 def test_all_reduce_large_chunked(group, op, dtype, out):
     """Arrays of more than CHUNKED_MIN_BYTES take the path where each rank reduces one chunk."""
     itemsize = np.dtype(dtype).itemsize
@@ -209,6 +211,55 @@ def test_all_reduce_large_chunked(group, op, dtype, out):
     for res in results:
         assert_reduced(res, op, xs)
     assert_same_everywhere(results)
+
+
+@contextlib.contextmanager
+def pipeline(group: synk_comm.Group, value: bool | list[bool] | None) -> Iterator[None]:
+    """Force the pipelined all-reduce on (True) or off (False) in every rank for the block."""
+    group.run("set_pipeline", value)
+    try:
+        yield
+    finally:
+        group.run("set_pipeline", None)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "stepwise"])
+@pytest.mark.parametrize(("op", "dtype"), [("sum", "float32"), ("max", "float64"), ("avg", "float32"),
+                                           ("prod", "int32"), ("sum", "complex128")])
+@pytest.mark.parametrize("out", [None, "inplace", "overlap"])
+def test_all_reduce_many_blocks(group, op, dtype, out, pipelined):
+    """Spans of several blocks, the last one partial, in every rank, pipelined or not; ``out``
+    fresh, the input itself, or overlapping the input."""
+    itemsize = np.dtype(dtype).itemsize
+    cols = 1031
+    rows = group.size * (5 * REDUCE_BLOCK_BYTES // 2) // (itemsize * cols) + 3
+    spec = dict(kind="all_reduce", op=op, dtype=dtype, shape=(rows, cols), seed=rows, out=out, repeat=2)
+    with pipeline(group, pipelined):
+        results = values(run_case(group, **spec))
+    xs = inputs(spec, group.size)
+    for res in results:
+        assert_reduced(res, op, xs)
+    assert_same_everywhere(results)
+
+
+@pytest.mark.parametrize("out", [None, "inplace", "strided"])
+def test_all_reduce_pipelined_small_chunks(group, out):
+    """The smallest pipelined all-reduces: one block per span, or spans of a few elements."""
+    with pipeline(group, True):
+        for rows in (CHUNKED_MIN_BYTES // (8 * 263) + 1, 3 * PIPELINE_BLOCK_BYTES // (8 * 263)):
+            spec = dict(kind="all_reduce", op="sum", dtype="float64", shape=(rows, 263), seed=rows, out=out)
+            results = values(run_case(group, **spec))
+            for res in results:
+                assert_reduced(res, "sum", inputs(spec, group.size))
+
+
+def test_pipelined_in_some_ranks_only_is_value_error(group):
+    """Ranks that disagree on pipelining: ValueError in every rank, never a hang; usable after."""
+    n = group.size
+    spec = dict(kind="all_reduce", op="sum", dtype="float64", shape=(200, 263), seed=1)
+    with pipeline(group, [False] * (n - 1) + [True]):
+        assert_all_errors(run_case(group, **spec), ValueError, match="different algorithms")
+    assert_usable(group)
 
 
 def test_all_reduce_buffers_grow_and_shrink(group):

@@ -210,6 +210,31 @@ def test_worker_killed_during_collective():
 
 
 @pytest.mark.timeout(20)
+def test_worker_killed_during_pipelined_all_reduce():
+    """A worker dies while the master waits inside a pipelined all-reduce for its progress."""
+    g = fresh(2)
+    try:
+        pids = g.run("pids")
+        g.host.pipeline = True
+        n = 4 << 20
+        x, out = np.ones(n, np.float32), np.empty(n, np.float32)
+        killed_at = None
+        with pytest.raises(WorkerDiedError) as info, g.command("big_all_reduce_loop", {"n": n, "calls": 10**9}):
+            for i in range(10**9):
+                g.all_reduce(x, "sum", out=out)
+                if i == 5:
+                    os.kill(pids[1], signal.SIGKILL)
+                    killed_at = time.monotonic()
+        assert killed_at is not None
+        assert time.monotonic() - killed_at < 2.0
+        assert info.value.rank == 1
+        assert g.closed
+        assert group_entries(g) == []
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(20)
 def test_worker_killed_while_master_waits_at_barrier():
     g = fresh(2)
     try:

@@ -1,4 +1,4 @@
-"""Fixtures of the synkhronos (CPU mode) tests.
+"""Fixtures of the synkhronos tests, in CPU mode or, with ``SYNK_TEST_GPU=1``, in GPU mode.
 
 Helpers live in :mod:`synk_testutil` (every package's tests run in one pytest session, where the
 name ``conftest`` is not unique); this directory goes on ``sys.path`` so that it imports by name.
@@ -6,6 +6,11 @@ name ``conftest`` is not unique); this directory goes on ``sys.path`` so that it
 ``ranks`` forks a group of 2, then of 3, ranks once per test module (``synk.fork(n,
 use_gpu=False)``) and closes it after the module's last test, checking that no worker process
 and no shared-memory object of the group outlives :func:`synkhronos.close`.
+
+GPU mode (``SYNK_TEST_GPU=1``, run with ``PYTENSOR_FLAGS=floatX=float64``: the tests compare float64
+data with numpy) forks ``synk.fork(n, use_gpu=True)`` for the sizes the visible GPUs allow (2 on 2
+GPUs) and skips the tests marked ``cpu_only(reason)``, whose scenario exists in CPU mode only.
+Without GPUs, ``SYNK_EMULATE_GPUS=2`` runs GPU mode on JAX's CPU backend (see :mod:`synkhronos.gpu`).
 """
 
 from __future__ import annotations
@@ -20,17 +25,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from synk_testutil import assert_no_workers_left, own_entries  # noqa: E402
+from synk_testutil import USE_GPU, assert_no_workers_left, own_entries, rank_counts  # noqa: E402
 
 import synkhronos as synk  # noqa: E402
 from synkhronos.runtime import current  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def pytest_collection_modifyitems(config, items):
+    """In GPU mode, tests marked ``cpu_only(reason)`` skip with their reason."""
+    if not USE_GPU:
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
+            item.add_marker(pytest.mark.skip(reason=f"CPU mode only: {reason}"))
+
+
+@pytest.fixture(scope="module", params=rank_counts(), ids=[f"{n}ranks" for n in rank_counts()])
 def ranks(request):
-    """A forked CPU-mode group of ``request.param`` ranks for the whole module; yields its size."""
-    n = synk.fork(request.param, use_gpu=False)
-    assert n == request.param
+    """A forked group of ``request.param`` ranks (GPU mode under ``SYNK_TEST_GPU=1``) for the whole
+    module; yields its size."""
+    n = synk.fork(request.param, use_gpu=USE_GPU)
+    assert n == request.param and current().device.use_gpu == USE_GPU
     prefix = current().group.prefix
     yield n
     synk.close()

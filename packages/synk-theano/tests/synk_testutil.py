@@ -24,6 +24,24 @@ SHM_DIR = "/dev/shm"
 TIMEOUT = 120
 """Seconds for any test that runs several processes (pytest.mark.timeout)."""
 
+USE_GPU = os.environ.get("SYNK_TEST_GPU", "").strip() not in ("", "0")
+"""``SYNK_TEST_GPU=1``: the suite runs in GPU mode (``use_gpu=True``; tests marked ``cpu_only`` skip)."""
+
+
+def max_ranks() -> int:
+    """The most ranks a test may fork: 3 in CPU mode, the visible GPUs in GPU mode."""
+    if not USE_GPU:
+        return 3
+    from synkhronos.forking import gpu_count
+
+    return gpu_count()
+
+
+def rank_counts() -> list[int]:
+    """The group sizes that the ``ranks`` fixture forks: 2 and 3, as far as the GPUs go (at least 2:
+    GPU mode on fewer than 2 GPUs then fails at fork, saying so)."""
+    return [n for n in (2, 3) if n <= max_ranks()] or [2]
+
 
 # --- processes and shared memory ------------------------------------------------------------------
 
@@ -67,9 +85,14 @@ def assert_no_workers_left(timeout: float = 10.0) -> None:
 
 
 def run_script(path: str, timeout: float = 180.0, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python path`` as a run of its own (no inherited run prefix); capture its output."""
+    """Run ``python path`` as a run of its own (no inherited run prefix; in GPU mode, every GPU
+    visible, not only the one a fork pinned this process to); capture its output."""
     env = dict(os.environ)
     env.pop("SYNK_RUN_PREFIX", None)
+    if USE_GPU:
+        from synkhronos.gpu import visible_devices
+
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices())
     return subprocess.run([sys.executable, path], env=env, cwd=cwd or ROOT, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -1,5 +1,6 @@
 """The seed's examples run as scripts (in a process of their own, as a user runs them), and a script
-without a main guard that calls ``synk.fork()`` works: its workers never re-run it."""
+without a main guard that calls ``synk.fork()`` works: its workers never re-run it (in GPU mode too,
+under ``SYNK_TEST_GPU=1``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import textwrap
 
 import pytest
-from synk_testutil import EXAMPLES, SHM_DIR, TIMEOUT, run_script
+from synk_testutil import EXAMPLES, SHM_DIR, TIMEOUT, USE_GPU, max_ranks, run_script
 
 pytestmark = pytest.mark.timeout(TIMEOUT)
 
@@ -28,6 +29,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.cpu_only("the seed's examples fork in CPU mode (use_gpu=False): they test nothing of GPU mode")
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_example_runs_and_passes_its_assertions(name):
     result = run_script(os.path.join(EXAMPLES, name))
@@ -50,8 +52,8 @@ import synkhronos as synk
 with open(sys.argv[1] if len(sys.argv) > 1 else {marker!r}, "a") as f:
     f.write(f"{{os.getpid()}}\\n")  # once per run of this file's top level
 print("pid", os.getpid())
-n = synk.fork(3, use_gpu=False)
-x = pt.matrix("x")
+n = synk.fork({n}, use_gpu={use_gpu})
+x = pt.matrix("x", dtype="float64")
 f = synk.function([x], (pt.sum(x, axis=1), None))
 r = f(synk.data(np.arange(12.0).reshape(6, 2)))
 assert np.array_equal(r, [1, 5, 9, 13, 17, 21]), r
@@ -62,10 +64,11 @@ print("ranks", n, "ok")
 def test_script_without_main_guard(tmp_path):
     marker = tmp_path / "runs.txt"
     script = tmp_path / "no_guard.py"
-    script.write_text(textwrap.dedent(SCRIPT.format(marker=str(marker))))
+    n = min(3, max_ranks())
+    script.write_text(textwrap.dedent(SCRIPT.format(marker=str(marker), n=n, use_gpu=USE_GPU)))
     result = run_script(str(script), cwd=str(tmp_path))
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    assert "ranks 3 ok" in result.stdout
+    assert f"ranks {n} ok" in result.stdout
     pid = int(result.stdout.split("pid", 1)[1].split()[0])
     assert marker.read_text().split() == [str(pid)], "a worker re-ran the script's top level"
     assert entries_of_pid(pid) == [], "the script's run left shared memory behind"

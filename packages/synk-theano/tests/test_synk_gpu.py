@@ -1,22 +1,21 @@
 """GPU mode on 2+ GPUs (``gpu`` marker): PyTensor's JAX backend per GPU, NCCL collectives.
 
 Run in its own pytest process (the master must not have started JAX on every GPU before
-``fork``): ``gpu/run_device.sh`` does.  References are numpy or the plain PyTensor function.
+``fork``): ``gpu/run_device.sh`` does.  References are numpy or the plain PyTensor function.  The
+tests give every variable its dtype (float32), so that they pass under any floatX; under
+``SYNK_EMULATE_GPUS=2`` they run on JAX's CPU backend (collectives then take the host path).
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 
 
 def _gpu_count() -> int:
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
+    from synkhronos.forking import gpu_count
+
+    return gpu_count()
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 GPUs"),
@@ -37,7 +36,7 @@ def test_introductory_example_matches_pytensor(synk) -> None:
     import pytensor
     import pytensor.tensor as pt
 
-    x, y = pt.matrix("x"), pt.vector("y")
+    x, y = pt.matrix("x", dtype="float32"), pt.vector("y", dtype="float32")
     z = pt.mean(x.dot(y), axis=0)
     f_th = pytensor.function([x, y], z)
     f = synk.function([x], bcast_inputs=[y], outputs=z)
@@ -64,17 +63,18 @@ def test_shared_variable_example_numbers(synk) -> None:
     f(x_dat)  # the first call distributes f: from now on s lives on each rank's GPU
     assert isinstance(s.container.storage[0], jax.Array)
     assert isinstance(s.get_value(), np.ndarray)
-    np.testing.assert_array_equal(s.get_value(), [3, 3])
-    np.testing.assert_array_equal(synk.gather(s, nd_up=1), [[3, 3], [7, 7]])
+    local = np.stack([p.sum(0) for p in np.array_split(x_dat.data, _gpu_count())])  # [[3, 3], [7, 7]] on 2
+    np.testing.assert_array_equal(s.get_value(), local[0])
+    np.testing.assert_array_equal(synk.gather(s, nd_up=1), local)
     synk.reduce(s, op="sum")
-    np.testing.assert_array_equal(synk.gather(s, nd_up=1), [[10, 10], [7, 7]])
+    np.testing.assert_array_equal(synk.gather(s, nd_up=1), [[10, 10], *local[1:]])
     s.set_value(np.zeros(2, dtype="float32"))
     assert isinstance(s.container.storage[0], jax.Array)  # set_value keeps it on the GPU
     synk.broadcast(s, s_init)
     f(x_dat)
     synk.all_reduce(s, op="sum")
-    np.testing.assert_array_equal(synk.gather(s, nd_up=1), [[10, 10], [10, 10]])
-    np.testing.assert_array_equal(synk.gather(s, nd_up=1, nccl=False), [[10, 10], [10, 10]])
+    np.testing.assert_array_equal(synk.gather(s, nd_up=1), np.full((_gpu_count(), 2), 10))
+    np.testing.assert_array_equal(synk.gather(s, nd_up=1, nccl=False), np.full((_gpu_count(), 2), 10))
     # a plain PyTensor function in the master shares the variable
     g = pytensor.function([], s * 2)
     np.testing.assert_array_equal(np.asarray(g()), [20, 20])
@@ -107,7 +107,7 @@ def test_collectives_through_nccl_with_uneven_shapes(synk) -> None:
 def test_output_ops_and_batches(synk) -> None:
     import pytensor.tensor as pt
 
-    x = pt.matrix("xo")
+    x = pt.matrix("xo", dtype="float32")
     f = synk.function([x], outputs=[pt.mean(x), (pt.sum(x), "sum"), (x.sum(axis=1), None), (pt.max(x), "max")])
     xd = np.random.randn(37, 5).astype("float32")
     X = synk.data(xd)
@@ -125,6 +125,6 @@ def test_output_ops_and_batches(synk) -> None:
 def test_other_mode_is_refused(synk) -> None:
     import pytensor.tensor as pt
 
-    x = pt.matrix("xm")
+    x = pt.matrix("xm", dtype="float32")
     with pytest.raises(ValueError, match="mode='JAX'"):
         synk.function([x], outputs=x.sum(), mode="NUMBA")

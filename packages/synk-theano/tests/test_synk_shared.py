@@ -49,6 +49,10 @@ def test_seed_shared_variable_example(example, ranks):
     gathered = synk.gather(s, nd_up=1)
     np.testing.assert_array_equal(gathered, local_updates(ranks, ones))
     np.testing.assert_array_equal(s.get_value(), gathered[0])
+    # float32 stays float32 (GPU mode under floatX=float64: jax x64 is on, and PyTensor's JAX backend
+    # returns a float32 sum in its float64 accumulator)
+    assert gathered.dtype == np.float32 and s.get_value().dtype == np.float32
+    assert synk.get_value(ranks - 1, s).dtype == np.float32
 
     synk.reduce(s, op="sum")
     np.testing.assert_array_equal(s.get_value(), [10, 10])

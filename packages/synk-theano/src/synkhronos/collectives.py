@@ -305,8 +305,9 @@ def _collective(group: Group, payload: tuple[str, dict[str, Any]]) -> Any:
 
 
 def _on_device(rt: Runtime, nccl: bool) -> bool:
-    """True when the values move GPU to GPU through NCCL (GPU mode, ``nccl=True``)."""
-    return nccl and rt.device.use_gpu
+    """True when the values move GPU to GPU through NCCL (GPU mode with values on a GPU,
+    ``nccl=True``); False under ``SYNK_EMULATE_GPUS``, whose values sit on JAX's CPU backend."""
+    return nccl and rt.device.use_gpu and getattr(rt.device, "on_gpu", True)
 
 
 def _value(rt: Runtime, var: Any, nccl: bool) -> Any:
@@ -403,8 +404,10 @@ def _all_reduce(rt: Runtime, variables: list[Any], op: str, nccl: bool) -> None:
     _agree_on_shapes(rt, variables, "all_reduce")
     for var in variables:
         value = _value(rt, var, nccl)
-        # In place: the value is the variable's own buffer, referenced by nothing else.
-        result = rt.group.all_reduce(value, op, out=value)
+        # In place where the value is the variable's own buffer, referenced by nothing else; the
+        # host copy of a device value (GPU mode, host path) is read-only: reduce into a new array.
+        in_place = not isinstance(value, np.ndarray) or value.flags.writeable
+        result = rt.group.all_reduce(value, op, out=value if in_place else None)
         if result is not value:
             rt.device.set(var, result)
 

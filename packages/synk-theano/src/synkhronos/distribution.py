@@ -79,7 +79,8 @@ def distribute() -> None:
                 rt.add_shared(rt.counter, var)
                 new_shared.append((rt.counter, var))
     for _, var in new_shared:
-        rt.device.adopt(var)
+        if _holds_array(var):  # a random generator stays where it is (GPU mode: JAX's linker copies it)
+            rt.device.adopt(var)
     buf = io.BytesIO()
     _Pickler(buf, known).dump({"specs": [rep.spec for rep in pending], "new_shared": new_shared})
     payload = buf.getvalue()
@@ -95,6 +96,11 @@ def distribute() -> None:
     log.info("synkhronos: distributed %d function(s) and %d new shared variable(s) (%.1f kB) in %.2f s; "
              "slowest worker compiled for %.2f s", len(pending), len(new_shared), len(payload) / 1e3,
              time.perf_counter() - t0, max(compile_seconds or [0.0]))
+
+
+def _holds_array(var: Any) -> bool:
+    """Whether a shared variable's value is an array that the device keeps (not a random generator)."""
+    return hasattr(var.type, "dtype")
 
 
 def ensure_distributed(rt: Runtime) -> None:

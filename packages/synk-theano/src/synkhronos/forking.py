@@ -43,8 +43,10 @@ def _pytensor_flags() -> str:
 
 
 def gpu_count() -> int:
-    """GPUs this run may use (0 without NVIDIA's driver)."""
-    if not os.path.isdir("/proc/driver/nvidia/gpus"):
+    """GPUs this run may use (0 without NVIDIA's driver; ``n`` under ``SYNK_EMULATE_GPUS=n``)."""
+    from synkhronos.emulation import emulated_gpus
+
+    if not emulated_gpus() and not os.path.isdir("/proc/driver/nvidia/gpus"):
         return 0
     from synkhronos.gpu import visible_devices
 

@@ -11,6 +11,14 @@ In the master, ``get_value()`` of a distributed shared variable returns numpy an
 that).  ``fork`` makes ``"JAX"`` the master's default PyTensor mode, so that plain PyTensor
 functions built in the master read those GPU-resident values too (a function compiled earlier
 with a CPU mode cannot: rebuild it after ``fork``).
+
+Developer aid: ``SYNK_EMULATE_GPUS=<n>`` runs GPU mode without GPUs (:mod:`synkhronos.emulation`):
+the machine counts as having ``n`` GPUs (``CUDA_VISIBLE_DEVICES`` narrows them as usual), each
+rank's JAX runs on its CPU backend, and the collectives take the shared-memory path
+(:attr:`GpuDevice.on_gpu` is False).  With it the synkhronos test suite runs in GPU mode on any
+machine::
+
+    SYNK_EMULATE_GPUS=2 SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 python -m pytest packages/synk-theano/tests
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from synkhronos import emulation
 from synkhronos.device import Device
 
 if TYPE_CHECKING:
@@ -39,10 +48,12 @@ def visible_devices() -> list[str]:
     visible = _ORIGINAL_VISIBLE[0] if _ORIGINAL_VISIBLE else os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [v.strip() for v in visible.split(",") if v.strip() and v.strip() != "-1"]
-    try:
-        count = len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        count = 0
+    count = emulation.emulated_gpus()  # SYNK_EMULATE_GPUS: a developer aid (see above)
+    if not count:
+        try:
+            count = len(os.listdir("/proc/driver/nvidia/gpus"))
+        except OSError:
+            count = 0
     return [str(i) for i in range(count)]
 
 
@@ -92,11 +103,18 @@ class GpuDevice(Device):
         import jax
         import pytensor
 
+        emulation.select_platform(jax)
         if pytensor.config.floatX == "float64":
             jax.config.update("jax_enable_x64", True)
         self.jax = jax
         self.xp = jax.numpy
         self.device = jax.devices()[0]
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the values are on a GPU (False under ``SYNK_EMULATE_GPUS``: JAX's CPU backend),
+        which decides whether collectives may go through NCCL."""
+        return self.device.platform == "gpu"
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         mode = kwargs.get("mode")

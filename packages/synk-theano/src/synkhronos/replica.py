@@ -103,7 +103,11 @@ class Replica:
         spec = self.spec
         if num_slices == 1 and sliceable_rows is None:
             outs = self.full(subset)(*scattered, *bcast)
-            outs = outs if isinstance(outs, list) else [outs]
+            outs = _declared(outs if isinstance(outs, list) else [outs], self._outputs(subset))
+            if self.device.use_gpu:  # the updates PyTensor applied itself, in their declared dtypes too
+                for var, _ in spec.updates:
+                    storage = var.container.storage
+                    storage[0] = _declared([storage[0]], [var])[0]
             return [np.asarray(o) for o in outs] if to_host else outs
         fn = self.parts(subset)
         device = self.device
@@ -124,11 +128,22 @@ class Replica:
             weights.append(hi - lo)
         if not outs_per_slice:
             return []
-        outputs = [combine(ops[i], [o[i] for o in outs_per_slice], weights) for i in range(n_out)]
+        outputs = _declared([combine(ops[i], [o[i] for o in outs_per_slice], weights) for i in range(n_out)],
+                            self._outputs(subset))
         for j, (var, _) in enumerate(spec.updates):  # combined where they live (GPU: no host round trip)
             value = combine(spec.update_ops[j], [o[n_out + j] for o in outs_per_slice], weights, xp=device.xp)
             device.put_update(var, value)
         return outputs
+
+
+def _declared(values: list[Any], variables: Sequence[Any]) -> list[Any]:
+    """Each array value in its variable's declared dtype.  PyTensor's JAX backend returns a reduction
+    in its accumulator dtype (a float32 sum as float64 when jax x64 is on, i.e. under floatX=float64)."""
+    out = []
+    for value, var in zip(values, variables):
+        dtype = getattr(var.type, "dtype", None)
+        out.append(value.astype(dtype) if dtype is not None and getattr(value, "dtype", dtype) != dtype else value)
+    return out
 
 
 def _subrows(rows: Any, lo: int, hi: int) -> Any:
