@@ -139,3 +139,13 @@ def test_a_failing_first_call_changes_nothing_and_the_group_goes_on(s, ranks):
     expected = 1 + sum(p[:2].sum(axis=0) for p in parts(synk.gather(s.rows, nd_up=0), ranks))
     for value in _in_ranks(s.w, ranks):
         np.testing.assert_allclose(value, expected)
+
+
+@pytest.mark.parametrize("zeros_if_idle", [False, True])
+def test_idle_ranks_keep_their_values_or_contribute_zeros(s, ranks, zeros_if_idle):
+    synk.broadcast(s.acc, np.ones(3))
+    x = np.array([[1.0, 2.0, 3.0]])  # one row: rank 0 computes, every other rank is idle
+    synk.chain(s.first, all_reduce=s.acc, op="sum", zeros_if_idle=zeros_if_idle)(synk.data(x))
+    expected = x[0] if zeros_if_idle else x[0] + (ranks - 1)
+    for value in _in_ranks(s.acc, ranks):
+        np.testing.assert_allclose(value, expected)

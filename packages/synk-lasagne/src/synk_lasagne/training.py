@@ -20,7 +20,7 @@ the rule's ``weight`` (see :mod:`synk_lasagne.updates`): each rank writes ``rows
 ``rows`` into the flat gradient, and the update divides the all-reduced sums, so the step is the
 one a single process takes on the whole batch; the loss output is averaged with the same weights
 by Synkhronos.  A rank that gets no rows (a batch smaller than the number of ranks) adds nothing:
-the update function resets the flat gradient to zeros after each step.
+the chain sets its flat gradient to zeros before the all-reduce (``zeros_if_idle``).
 
 Example
 -------
@@ -91,7 +91,7 @@ class TrainFunction:
     grad_fn : synkhronos.Function
         Computes the loss (and outputs) and writes each rank's gradient into ``flat_grad``.
     step_fn : synkhronos.Function
-        Applies the update from the all-reduced ``flat_grad`` in every rank, then zeros it.
+        Applies the update from the all-reduced ``flat_grad`` in every rank.
     chain : synkhronos.Chain
         ``grad_fn``, the all-reduce of ``flat_grad`` (avg) and ``step_fn`` as one command: what a
         call runs.
@@ -110,7 +110,7 @@ class TrainFunction:
 
         self.grad_fn = grad_fn
         self.step_fn = step_fn
-        self.chain = synk.chain(grad_fn, all_reduce=rule.flat_grad, op="avg", then=step_fn)
+        self.chain = synk.chain(grad_fn, all_reduce=rule.flat_grad, op="avg", then=step_fn, zeros_if_idle=True)
         self.rule = rule
         self.params = params
         kept = set(params)
@@ -212,7 +212,6 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     TypeError, ValueError
         For bad arguments (as :func:`synkhronos.function` and the rule raise them).
     """
-    import pytensor.tensor as pt
 
     import synkhronos as synk
 
@@ -231,8 +230,7 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     fkw = dict(function_kwargs or {})
     grad_fn = synk.function(inputs, outputs=[(loss, "avg"), *extra], bcast_inputs=bcast_inputs,
                             updates=result.grad_updates, givens=givens, sliceable_shareds=sliceable or None, **fkw)
-    flat = result.flat_grad
-    step_fn = synk.function([], updates=[*result.param_updates.items(), (flat, pt.zeros_like(flat))], **fkw)
+    step_fn = synk.function([], updates=list(result.param_updates.items()), **fkw)
     return TrainFunction(grad_fn, step_fn, result, params, ["loss", *names], inputs, sliceable)
 
 

@@ -54,8 +54,10 @@ the batch (``x.shape[0]``, what :func:`synk_lasagne.make_train_function` passes)
 is a mean over rows (plus any terms that do not depend on the rows, such as weight decay), this is
 exactly the gradient of the loss over the whole batch, however unevenly the batch splits over the
 ranks.  Without ``weight`` every rank counts the same (Synkhronos 1.0's behaviour: exact only
-when the ranks have equal rows).  A rank with no rows does not run the gradient function: reset
-``flat_grad`` to zeros after each step (``make_train_function`` does) so that it adds nothing.
+when the ranks have equal rows).  A rank with no rows does not run the gradient function and keeps
+its previous ``flat_grad``: make it add nothing, either by chaining the steps with
+``synk.chain(..., zeros_if_idle=True)`` (what ``make_train_function`` does) or by resetting
+``flat_grad`` to zeros after each step.
 
 Gradient clipping belongs after the all-reduce (the norm of the global gradient): pass
 ``grad_transform=lambda g: total_norm_constraint(g, 5.0)`` to any rule.
@@ -88,8 +90,7 @@ wraps in one call):
 2
 >>> rule = updates.adam(loss, [w], weight=x.shape[0])                        # doctest: +SKIP
 >>> f_grad = synk.function([x], outputs=loss, updates=rule.grad_updates)     # doctest: +SKIP
->>> reset = (rule.flat_grad, pt.zeros_like(rule.flat_grad))                 # doctest: +SKIP
->>> f_step = synk.function([], updates=[*rule.param_updates.items(), reset])  # doctest: +SKIP
+>>> f_step = synk.function([], updates=rule.param_updates)                   # doctest: +SKIP
 >>> x_data = synk.data(np.ones((5, 3)))                                      # doctest: +SKIP
 >>> loss_value = f_grad(x_data)                  # each rank: its rows      # doctest: +SKIP
 >>> synk.all_reduce(rule.flat_grad, op="avg")    # one collective call      # doctest: +SKIP
@@ -274,11 +275,10 @@ def flat_gradient(loss_or_grads: Any, params: Sequence[Any], *, weight: Any = No
         raise ValueError(f"weight must be a scalar, got an expression of ndim {w.ndim}")
     raveled = pt.concatenate([pt.cast(g, dtype).ravel() for g in grads])
     expr = pt.concatenate([raveled * w, pt.shape_padleft(w)])
-    mean = flat[:total] / flat[total]
     views = []
     start = 0
-    for param, shape, size in zip(params, shapes, sizes):
-        views.append(_as_type_of(param, mean[start:start + size].reshape(shape)))
+    for param, shape, size in zip(params, shapes, sizes):  # divided view by view: no whole-vector temporary
+        views.append(_as_type_of(param, (flat[start:start + size] / flat[total]).reshape(shape)))
         start += size
     if grad_transform is not None:
         views = list(grad_transform(views))

@@ -12,7 +12,8 @@ round trips between the master and the workers and, on GPUs, a wait for each to 
     return out
 
 How it travels: the first call's plan goes into the shared scratch slots as for any call
-(:mod:`synkhronos.calls`), followed by the chain's tail ``[then's id, op, n, shared ids...]``;
+(:mod:`synkhronos.calls`), followed by the chain's tail ``[then's id, op, zeros_if_idle, n,
+shared ids...]``;
 no pickling.  Every rank runs its share of ``first``, then all ranks meet at a barrier (if any
 rank failed, every other rank stops there, so that none waits forever inside NCCL), all-reduce
 (NCCL in GPU mode; nothing with one rank), and run ``then``.
@@ -48,11 +49,13 @@ class Chain:
     Call it as ``first``; it returns what ``first`` returns.
     """
 
-    def __init__(self, first: Function, shared_vars: list[Any], op: str, then: Function | None) -> None:
+    def __init__(self, first: Function, shared_vars: list[Any], op: str, then: Function | None,
+                 zeros_if_idle: bool = False) -> None:
         self.first = first
         self.shared_vars = shared_vars
         self.op = op
         self.then = then
+        self.zeros_if_idle = zeros_if_idle
 
     def __repr__(self) -> str:
         names = ", ".join(describe(v) for v in self.shared_vars)
@@ -67,7 +70,8 @@ class Chain:
         rt, _, sids, _ = _prepare(self.shared_vars)  # distributes new functions first
         if self.then is not None:
             self.then._require_current(rt)
-        tail = [-1 if self.then is None else self.then._spec.fid, OPS.index(self.op), len(sids), *sids]
+        tail = [-1 if self.then is None else self.then._spec.fid, OPS.index(self.op), int(self.zeros_if_idle),
+                len(sids), *sids]
         plan = first._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices, extra_slots=len(tail))
         offset = calls.CallPlan.length(len(plan.data_ids), len(subset or ()), rt.size)
         rt.group.scratch[offset:offset + len(tail)] = tail
@@ -76,7 +80,8 @@ class Chain:
         return first._gather(rt, own, subset)
 
 
-def chain(first: Function, all_reduce: Any, op: str = "avg", then: Function | None = None) -> Chain:
+def chain(first: Function, all_reduce: Any, op: str = "avg", then: Function | None = None,
+          zeros_if_idle: bool = False) -> Chain:
     """One command that calls ``first``, all-reduces shared variables, then calls ``then``.
 
     Parameters
@@ -90,6 +95,11 @@ def chain(first: Function, all_reduce: Any, op: str = "avg", then: Function | No
     then : Function, optional
         Called after the all-reduce; it must take no inputs and return no outputs (typically
         the update rule's step).
+    zeros_if_idle : bool, optional
+        A rank that gets no rows in ``first`` computes nothing, so its variables keep their
+        previous values.  With True such a rank contributes zeros to the all-reduce instead
+        (its variables are set to zeros first): for gradients summed over the ranks, an idle rank
+        then adds nothing, and nothing has to reset them after every step.
 
     Returns
     -------
@@ -129,15 +139,18 @@ def chain(first: Function, all_reduce: Any, op: str = "avg", then: Function | No
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     for var in variables:
         as_op(op, var.type.dtype)
-    return Chain(first, variables, op, then)
+    return Chain(first, variables, op, then, bool(zeros_if_idle))
 
 
 def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
     """This rank's part of a chain: its share of ``first``, the all-reduce, ``then``."""
     scratch = rt.group.scratch
-    then_fid, op_code, n = (int(v) for v in scratch[offset:offset + 3])
-    variables = [rt.shared[int(sid)] for sid in scratch[offset + 3:offset + 3 + n]]
+    then_fid, op_code, zeros_if_idle, n = (int(v) for v in scratch[offset:offset + 4])
+    variables = [rt.shared[int(sid)] for sid in scratch[offset + 4:offset + 4 + n]]
     weight, outputs = calls.execute(rt, plan, to_host=False)
+    if weight == 0 and zeros_if_idle:
+        for var in variables:
+            rt.device.set(var, np.zeros(rt.device.get(var).shape, dtype=var.type.dtype))
     rt.group.barrier()  # every rank's share succeeded: none is left alone inside the all-reduce
     if rt.size > 1:
         _all_reduce(rt, variables, OPS[op_code], nccl=True)
