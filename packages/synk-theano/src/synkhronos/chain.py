@@ -150,7 +150,7 @@ def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
     weight, outputs = calls.execute(rt, plan, to_host=False)
     if weight == 0 and zeros_if_idle:
         for var in variables:
-            rt.device.set(var, np.zeros(rt.device.get(var).shape, dtype=var.type.dtype))
+            rt.device.set(var, np.zeros(rt.device.raw(var).shape, dtype=var.type.dtype))
     rt.group.barrier()  # every rank's share succeeded: none is left alone inside the all-reduce
     if rt.size > 1:
         _all_reduce(rt, variables, OPS[op_code], nccl=True)
