@@ -278,6 +278,44 @@ def ddp_steps(n: int, batches: list[int]) -> dict[int, float]:
     return {k: max(t[k] for t in per_rank) for k in per_rank[0]}
 
 
+def gpu_counts(n: int) -> list[int]:
+    """The GPU counts of the scaling table: 1, the powers of two below ``n``, and ``n``."""
+    return sorted({1, n, *(2**i for i in range(1, n.bit_length()) if 2**i < n)})
+
+
+def gpu_name() -> str:
+    """The first GPU's model name, as the driver reports it."""
+    root = "/proc/driver/nvidia/gpus"
+    try:
+        with open(os.path.join(root, sorted(os.listdir(root))[0], "information")) as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("Model"))
+    except (OSError, IndexError, StopIteration):
+        return "GPU"
+
+
+def print_training_table(runs: dict[str, dict[int, float]], batches: list[int], counts: list[int]) -> None:
+    """Markdown: ms per step and scaling over 1 GPU, ours and DDP's, for every batch and GPU count."""
+    print(f"\n## training step (MLP {D}->{L}x{H}->{C}, float32, TF32 matmuls on both sides; ms per step)\n")
+    head = ["global batch", "PyTensor JAX 1 GPU"]
+    for k in counts:
+        head += [f"ours {k}", f"DDP {k}", f"DDP {k} no per-step sync"]
+        if k > 1:
+            head += [f"ours scaling {k}", f"DDP scaling {k}"]
+    print("| " + " | ".join(head) + " |\n|" + "---:|" * len(head))
+    for b in batches:
+        cells = [str(b), f"{runs['plain_1'][b] * 1e3:.2f}"]
+        for k in counts:
+            ours, ddp = runs[f"synk_{k}"][b], runs[f"ddp_{k}"][b]
+            cells += [f"{ours * 1e3:.2f}", f"{ddp * 1e3:.2f}", f"{runs[f'ddp_{k}'][-b] * 1e3:.2f}"]
+            if k > 1:
+                cells += [f"{runs['synk_1'][b] / ours:.2f}x", f"{runs['ddp_1'][b] / ddp:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
+    mib = 1 << 20
+    peaks = ", ".join(f"ours {k} GPU(s) {runs[f'synk_{k}'][-1] / mib:.0f} MiB" for k in counts)
+    print(f"\nPeak GPU memory of GPU 0 over the batches (the largest): PyTensor JAX 1 GPU "
+          f"{runs['plain_1'][-1] / mib:.0f} MiB, {peaks}")
+
+
 # --- 3. call overhead ----------------------------------------------------------------------------
 
 def call_overhead(n: int, iters: int = 2000) -> tuple[float, float]:
@@ -342,8 +380,9 @@ def main() -> None:
     from synkhronos.gpu import visible_devices
 
     devices = visible_devices()
+    counts = gpu_counts(n)
     runs = {"plain_1": in_child(plain_worker, (batches,), devices[:1]) if USE_GPU else {}}
-    for k in sorted({1, n}):  # each in a fresh master: its own GPU memory peak
+    for k in counts:  # each in a fresh master: its own GPU memory peak
         runs[f"synk_{k}"] = in_child(synk_train_steps, (k, batches), devices) if USE_GPU else \
             synk_train_steps(k, batches)
         runs[f"ddp_{k}"] = ddp_steps(k, batches) if USE_GPU else {}
@@ -352,21 +391,7 @@ def main() -> None:
         print(runs)
         return
     results["train_step_s"] = runs
-    table = {b: {key: runs[key][b] for key in runs} | {f"ddp_{k}_nosync": runs[f"ddp_{k}"][-b] for k in {1, n}}
-             for b in batches}
-    print(f"\n## training step (MLP {D}->{L}x{H}->{C}, float32, TF32 matmuls on both sides; ms per step)\n")
-    print(f"| global batch | PyTensor JAX 1 GPU | ours 1 GPU | ours {n} GPUs | ours scaling | ours {n} vs plain | "
-          f"DDP 1 GPU | DDP {n} GPUs | DDP scaling | DDP {n} GPUs, no per-step sync |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for batch, row in table.items():
-        print(f"| {batch} | {row['plain_1'] * 1e3:.2f} | {row['synk_1'] * 1e3:.2f} | {row[f'synk_{n}'] * 1e3:.2f} | "
-              f"{row['synk_1'] / row[f'synk_{n}']:.2f}x | {row['plain_1'] / row[f'synk_{n}']:.2f}x | "
-              f"{row['ddp_1'] * 1e3:.2f} | {row[f'ddp_{n}'] * 1e3:.2f} | {row['ddp_1'] / row[f'ddp_{n}']:.2f}x | "
-              f"{row[f'ddp_{n}_nosync'] * 1e3:.2f} |")
-    mib = 1 << 20
-    print(f"\nPeak GPU memory of GPU 0 over the batches (the largest): PyTensor JAX 1 GPU "
-          f"{runs['plain_1'][-1] / mib:.0f} MiB, ours 1 GPU {runs['synk_1'][-1] / mib:.0f} MiB, "
-          f"ours {n} GPUs {runs[f'synk_{n}'][-1] / mib:.0f} MiB")
+    print_training_table(runs, batches, counts)
     with open(os.path.join(OUT, "bench_gpu.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     try:
@@ -376,14 +401,16 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for key, style in [("synk_1", "o-"), (f"synk_{n}", "o-"), ("ddp_1", "s--"), (f"ddp_{n}", "s--"),
-                           ("plain_1", "x:")]:
-            label = {"synk": "Synkhronos", "ddp": "PyTorch DDP", "plain": "PyTensor JAX alone"}[key.split("_")[0]]
-            ax.plot(batches, [b / table[b][key] for b in batches], style, label=f"{label}, {key[-1]} GPU")
+        keys = [*(f"synk_{k}" for k in counts), *(f"ddp_{k}" for k in counts), "plain_1"]
+        for key in keys:
+            kind, k = key.split("_")
+            label = {"synk": "Synkhronos", "ddp": "PyTorch DDP", "plain": "PyTensor JAX alone"}[kind]
+            style = {"synk": "o-", "ddp": "s--", "plain": "x:"}[kind]
+            ax.plot(batches, [b / runs[key][b] for b in batches], style, label=f"{label}, {k} GPU")
         ax.set_xlabel("global batch")
         ax.set_ylabel("samples / s")
         ax.set_xscale("log", base=2)
-        ax.set_title("MLP training throughput, 2x H200")
+        ax.set_title(f"MLP training throughput, {n}x {gpu_name()}")
         ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(OUT, "gpu_throughput.png"), dpi=120)
