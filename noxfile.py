@@ -1,6 +1,7 @@
 """Every routine task of the Synkhronos monorepo is a nox session.
 
-    nox -s tests        every package's tests, CPU mode, on Python 3.11 and 3.12
+    nox -s tests        every package's tests, CPU mode, on Python 3.11 and 3.12; on 3.12 also the
+                        synkhronos suite in GPU mode on JAX's CPU backend (SYNK_EMULATE_GPUS)
     nox -s lint         ruff
     nox -s typecheck    mypy on the packages
     nox -s demo         the main job (see README)
@@ -36,13 +37,21 @@ def install_packages(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
-    """Every package's tests (CPU mode; GPU tests skip without 2 GPUs)."""
+    """Every package's tests (CPU mode; GPU tests skip without 2 GPUs); on 3.12, the synkhronos suite
+    again in GPU mode on JAX's CPU backend."""
     install_packages(session)
     session.install(f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]", *TEST_DEPS)  # the digits data: MNIST job test
     paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
     if (ROOT / "tests").exists():
         paths.append(str(ROOT / "tests"))
     session.run("pytest", *paths, *session.posargs, env={"PYTHONUNBUFFERED": "1"})
+    if session.python == "3.12" and not session.posargs:
+        # GPU mode's code paths (JAX backend, values as JAX arrays, chain, GPU-mode fixtures) on
+        # JAX's CPU backend, collectives through shared memory: what CI can check of GPU mode.
+        session.install("jax")
+        session.run("pytest", str(ROOT / "packages" / "synk-theano" / "tests"),
+                    env={"PYTHONUNBUFFERED": "1", "SYNK_EMULATE_GPUS": "2", "SYNK_TEST_GPU": "1",
+                         "PYTENSOR_FLAGS": "floatX=float64"})
 
 
 @nox.session(python="3.11")
