@@ -6,7 +6,9 @@ gradient program alone (flat gradient as an output), the update program alone, a
 pipeline synkhronos runs (gradient, host read of the loss, update).  Part 2, every GPU through
 ``synk_comm.spawn``: the NCCL all-reduce of the flat gradient alone, the gradient program
 alone, and both at once (the all-reduce of the previous bucket overlapping the computation),
-which says what overlapping communication with the backward pass can win.
+which says what overlapping communication with the backward pass can win.  Part 3, Synkhronos'
+own step (``synk_lasagne``'s training function) on 1 and every GPU: the chained step, its gradient
+and update calls alone, and a cProfile of the master, with 2048 or 16384 rows scattered.
 """
 
 from __future__ import annotations
@@ -134,6 +136,56 @@ def ranks(group, batch: int) -> dict:
     return res
 
 
+def synk_phases(n: int, batch: int, scattered: int, steps: int = 20) -> None:
+    """Part 3: Synkhronos' own step (``synk_lasagne``, one ``synk.chain`` command) on ``n`` GPUs: the
+    chained step, its gradient call alone and its update call alone, then where the master's time
+    goes (cProfile).  ``scattered`` rows are scattered, ``batch // n`` selected with ``batch_s``."""
+    import cProfile
+    import pstats
+
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+    from synk_lasagne import make_train_function, updates
+
+    synk.fork(n, use_gpu=True)
+    rng = np.random.default_rng(0)
+    xs = pytensor.shared(np.zeros((0, D), dtype="float32"), name="xs")
+    ys = pytensor.shared(np.zeros(0, dtype="int32"), name="ys")
+    h = xs
+    dims = [D] + [H] * L + [C]
+    params = []
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
+        w = pytensor.shared((rng.standard_normal((a, b)) / np.sqrt(a)).astype("float32"), name=f"w{i}")
+        bias = pytensor.shared(np.zeros(b, dtype="float32"), name=f"b{i}")
+        params += [w, bias]
+        h = h @ w + bias
+        if i < L:
+            h = pt.tanh(h)
+    logp = pt.special.log_softmax(h, axis=1)
+    loss = -pt.mean(logp[pt.arange(ys.shape[0]), ys])
+    train = make_train_function(loss, params, [], updates.sgd, sliceable_shareds=[xs, ys], learning_rate=1e-3)
+    synk.scatter([xs, ys], [synk.data(rng.standard_normal((scattered, D)).astype("float32")),
+                            synk.data(rng.integers(0, C, scattered).astype("int32"))])
+    rows = slice(0, batch // n)
+
+    def done() -> None:
+        synk.get_value(0, params[0])
+
+    t_step = timeit(lambda: train(batch_s=rows), reps=steps, warm=10)
+    t_grad = timeit(lambda: train.grad_fn(batch_s=rows), reps=steps)
+    t_update = timeit(train.step_fn, reps=steps)
+    done()
+    print(f"synk {n} GPU(s), batch {batch} of {scattered} scattered rows: chained step {t_step * 1e3:.2f} ms, "
+          f"gradient call {t_grad * 1e3:.2f} ms, update call {t_update * 1e3:.2f} ms (queued)", flush=True)
+    with cProfile.Profile() as prof:
+        for _ in range(steps):
+            train(batch_s=rows)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(10)
+    synk.close()
+
+
 def main() -> None:
     import subprocess
     import sys
@@ -146,6 +198,9 @@ def main() -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0", XLA_PYTHON_CLIENT_PREALLOCATE="false", SYNK_PROFILE_ONE_GPU="1")
     subprocess.run([sys.executable, __file__], env=env, check=False, timeout=300)
     n = len(os.listdir("/proc/driver/nvidia/gpus"))
+    for k in sorted({1, n}):
+        for scattered in (2048, 16384):
+            synk_phases(k, 2048, scattered)
     r = synk_comm.spawn(ranks, n, args=(8192,), devices=list(range(n)))[0]
     print(f"{n} GPUs batch 8192 ({8192 // n} per GPU), rank 0: flat-gradient all-reduce "
           f"{r['allreduce'] * 1e3:.2f} ms, grad program {r['grad'] * 1e3:.2f} ms, both at once "
