@@ -58,6 +58,12 @@ def nccl_collectives(group: Any, kind: str) -> list[str]:
     if r == 0:
         checks["gather uneven"] = (np.concatenate([to_host(p) for p in gathered]),
                                    np.concatenate([local(k, (k + 1, 2)) for k in range(n)]))
+    try:  # different shapes: every rank refuses before NCCL runs, and the group goes on
+        nc.all_reduce(uneven, "sum")
+        wrong.append(f"{kind} all_reduce of different shapes: no error")
+    except ValueError:
+        pass
+    checks["all_reduce after a refused one"] = (to_host(nc.all_reduce(x, "sum")), np.sum(refs, axis=0))
     for name, (got, want) in checks.items():
         if got.shape != want.shape or not np.allclose(got, want):
             wrong.append(f"{kind} {name}: got {got.tolist()} want {want.tolist()}")

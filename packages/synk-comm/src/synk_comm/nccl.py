@@ -150,6 +150,7 @@ class NcclCollectives(Collectives):
 
     def all_reduce(self, array: Any, op: ReduceOp | str = "sum", *, out: Any = None) -> Any:
         rop = as_op(op, array.dtype)
+        self._agree(array, "all_reduce")  # NCCL given different counts would hang or mix up data
         if out is None:
             out = empty_like(array)
         self.comm.allreduce(CudaBuffer(array), CudaBuffer(out), self._ops[rop], stream=self._stream)
