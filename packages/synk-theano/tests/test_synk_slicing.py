@@ -257,3 +257,22 @@ def test_updates_are_applied_once_per_call(fns, ranks):
     expected = np.full((ranks, 2), 2.0)
     expected[0] = 3
     np.testing.assert_array_equal(synk.gather(fns.counter), expected)
+
+
+@pytest.mark.cpu_only("PyTensor's JAX backend compiles a copy of a shared random generator (its own warning says "
+                      "so): the stream never advances in GPU mode")
+def test_a_random_stream_advances_slice_by_slice(ranks):
+    """A random generator's update is not combined over slices: it advances after each slice, so
+    every slice draws new numbers, and the next call draws new ones again."""
+    rng = pytensor.shared(np.random.default_rng(0), name="rng")
+    x = pt.matrix("x", dtype="float64")
+    next_rng, u = pt.random.uniform(size=x.shape, rng=rng).owner.outputs
+    f = synk.function([x], outputs=(x * 0 + u, "gather"), updates=[(rng, next_rng)])
+    xd = synk.data(np.zeros((8 * ranks, 1)))
+    first = f(xd, num_slices=2)
+    assert first.shape == (8 * ranks, 1) and np.all((first >= 0) & (first < 1))
+    for r in range(ranks):  # rank r's rows: two slices of 4
+        mine = first[8 * r:8 * r + 8, 0]
+        assert not np.allclose(mine[:4], mine[4:]), f"rank {r}: both slices drew the same numbers"
+    second = f(xd, num_slices=2)
+    assert not np.allclose(first, second)

@@ -81,4 +81,7 @@ class CpuDevice(Device):
         return len(var.get_value(borrow=True))
 
     def put_update(self, var: SharedVariable, value: Any) -> None:
+        if not hasattr(var.type, "dtype"):  # a random generator: stored as it is
+            var.set_value(value, borrow=True)
+            return
         var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)

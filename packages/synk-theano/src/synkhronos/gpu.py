@@ -166,4 +166,7 @@ class GpuDevice(Device):
         return int(self.raw(var).shape[0])
 
     def put_update(self, var: SharedVariable, value: Any) -> None:
+        if not hasattr(var.type, "dtype"):  # a random generator: stored as it is
+            var.container.storage[0] = value
+            return
         self.set(var, value)

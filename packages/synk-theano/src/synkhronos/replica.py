@@ -8,7 +8,8 @@ subset is a function of its own, compiled on first use and cached):
 * ``parts`` -- the same graph with every sliceable shared variable replaced by an explicit
   input and the update expressions returned as outputs: the rank calls it once per slice, combines
   outputs and updates slice by slice (each slice sees the original shared values), and applies
-  the combined updates once at the end.
+  the combined updates once at the end -- except a random generator's, which advances after each
+  slice so that every slice draws new numbers.
 """
 
 from __future__ import annotations
@@ -118,22 +119,35 @@ class Replica:
         positions = np.arange(n_rows)
         outs_per_slice: list[list[Any]] = []
         weights: list[int] = []
+        streams = [j for j, (var, _) in enumerate(spec.updates) if _is_random_state(var)]
         for chunk in np.array_split(positions, num_slices):
             if len(chunk) == 0:
                 continue
             lo, hi = int(chunk[0]), int(chunk[-1]) + 1
             xs = [x[lo:hi] for x in scattered]
             ss = [device.take(var, _subrows(rows, lo, hi)) for var, rows in zip(spec.sliceable, sliceable_rows)]
-            outs_per_slice.append(fn(*xs, *bcast, *ss))
+            outs = fn(*xs, *bcast, *ss)
+            for j in streams:  # a random stream advances slice by slice: each slice draws new numbers
+                device.put_update(spec.updates[j][0], outs[n_out + j])
+            outs_per_slice.append(outs)
             weights.append(hi - lo)
         if not outs_per_slice:
             return []
         outputs = _declared([combine(ops[i], [o[i] for o in outs_per_slice], weights) for i in range(n_out)],
                             self._outputs(subset))
         for j, (var, _) in enumerate(spec.updates):  # combined where they live (GPU: no host round trip)
+            if j in streams:
+                continue
             value = combine(spec.update_ops[j], [o[n_out + j] for o in outs_per_slice], weights, xp=device.xp)
             device.put_update(var, value)
         return outputs
+
+
+def _is_random_state(var: Any) -> bool:
+    """Whether ``var`` holds a random generator's state (its updates are not combined over slices)."""
+    from pytensor.tensor.random.type import RandomType
+
+    return isinstance(var.type, RandomType)
 
 
 def _declared(values: list[Any], variables: Sequence[Any]) -> list[Any]:
