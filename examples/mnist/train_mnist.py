@@ -224,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         speedup = runs[1]["epoch_seconds"] / main_run["epoch_seconds"]
         print(f"speedup of {main_run['ranks']} {main_run['kind']} over 1: {speedup:.2f}x (median epoch "
               f"{runs[1]['epoch_seconds']:.3f} s -> {main_run['epoch_seconds']:.3f} s)")
+        if speedup < 1.2:
+            print("note: each step of this model is too little work for several ranks to pay off (every "
+                  "step is a round trip between the ranks): a larger model (--hidden) or batch (--batch-size) "
+                  "gives each rank more to do per step")
     title = (f"{data.source}, MLP {args.layers}x{args.hidden}, {args.rule}, batch {args.batch_size}, "
              f"pattern {args.pattern}" + (f", speedup {speedup:.2f}x" if speedup else ""))
     plot(runs, args.plot, title)
