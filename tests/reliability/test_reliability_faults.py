@@ -171,6 +171,48 @@ def test_worker_raises_inside_a_collective(run, request):
     run.assert_usable()
 
 
+def _chain(run: Run) -> tuple[synk.Chain, pytensor.compile.SharedVariable]:
+    """first: ``acc := column sums of x`` (with the Probe, the injection point); all_reduce acc;
+    then: ``a := a + sum(acc)``."""
+    x = pt.matrix("x", dtype="float64")
+    acc = pytensor.shared(np.zeros(2), name="acc")
+    first = synk.function([x], (pt.sum(ro.Probe()(x)), "sum"), updates=[(acc, x.sum(axis=0))], mode=MODE)
+    then = synk.function([], updates=[(run.a, run.a + acc.sum())], mode=MODE)
+    return synk.chain(first, all_reduce=acc, op="sum", then=then), acc
+
+
+@pytest.mark.reliability("fault", SY)
+def test_worker_raises_inside_a_chain(run, request):
+    """Rank 1 raises in the chain's first call: the master stops at the barrier before the
+    all-reduce (no rank is left inside it), ``then`` runs nowhere, and the group goes on."""
+    step, _ = _chain(run)
+    synk.distribute()
+    a_before, _ = run.values()
+    run.arm("call", "raise")
+    t0 = time.monotonic()
+    with pytest.raises(synk.WorkerError, match="rank 1 raised InjectedFault") as info:
+        step(run.X)
+    record(request, time.monotonic() - t0)
+    assert info.value.ranks == [1]
+    np.testing.assert_array_equal(run.values()[0], a_before)  # then ran in no rank
+    run.arm("nowhere", "raise")
+    assert step(run.X) == pytest.approx(run.xd.sum(), rel=1e-12)
+    np.testing.assert_allclose(run.values()[0], a_before + run.xd.sum())
+    run.assert_usable()
+
+
+@pytest.mark.reliability("fault", SY)
+def test_worker_killed_inside_a_chain(run, request):
+    step, _ = _chain(run)
+    synk.distribute()
+    run.arm("call", "kill")
+    t0 = time.monotonic()
+    with pytest.raises(synk.WorkerDiedError) as info:
+        step(run.X)
+    record(request, time.monotonic() - t0)
+    assert_dead_group(run, info)
+
+
 @pytest.mark.reliability("fault", SY)
 def test_worker_raises_inside_distribute(run, request):
     """The distribution of a new function (with a new shared variable) fails in rank 1; the next
