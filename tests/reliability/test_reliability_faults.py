@@ -243,12 +243,13 @@ def test_worker_killed_while_idle(run, request):
     assert_dead_group(run, info)
 
 
-@pytest.mark.reliability("fault", SY)
-def test_worker_killed_during_a_call(run, request):
-    """Every rank computes for 1.5 s; rank 1 is killed 0.3 s in: the call fails within 2 s of the
-    kill (the master notices when its own share is done, then at once)."""
+def _call_killing_rank_1(run: Run, seconds: float, after: float = 0.3
+                         ) -> tuple[pytest.ExceptionInfo[synk.WorkerDiedError], float]:
+    """Call a function whose every rank computes for ``seconds``; SIGKILL rank 1 ``after`` seconds in.
+
+    Returns the WorkerDiedError raised and the time of the kill."""
     x = pt.matrix("x", dtype="float64")
-    slow = synk.function([x], (ro.SlowSum(1.5)(x), "sum"), mode=MODE)
+    slow = synk.function([x], (ro.SlowSum(seconds)(x), "sum"), mode=MODE)
     synk.distribute()
     killed: list[float] = []
 
@@ -256,14 +257,22 @@ def test_worker_killed_during_a_call(run, request):
         os.kill(run.pids[0], signal.SIGKILL)
         killed.append(time.monotonic())
 
-    timer = threading.Timer(0.3, kill)
+    timer = threading.Timer(after, kill)
     timer.start()
     try:
         with pytest.raises(synk.WorkerDiedError) as info:
             slow(run.X)
     finally:
         timer.join()
-    record(request, time.monotonic() - killed[0])
+    return info, killed[0]
+
+
+@pytest.mark.reliability("fault", SY)
+def test_worker_killed_during_a_call(run, request):
+    """Every rank computes for 1.5 s; rank 1 is killed 0.3 s in: the call fails within 2 s of the
+    kill (the master notices when its own share is done, then at once)."""
+    info, killed_at = _call_killing_rank_1(run, seconds=1.5)
+    record(request, time.monotonic() - killed_at)
     assert_dead_group(run, info)
 
 
@@ -273,23 +282,8 @@ def test_worker_killed_during_a_call(run, request):
                    "checks its workers only when it waits for them, so with a 3 s share and the worker killed "
                    "0.3 s in, WorkerDiedError comes about 2.7 s after the death (no hang: the share's length)")
 def test_worker_killed_early_in_a_long_call(run, request):
-    x = pt.matrix("x", dtype="float64")
-    slow = synk.function([x], (ro.SlowSum(3.0)(x), "sum"), mode=MODE)
-    synk.distribute()
-    killed: list[float] = []
-
-    def kill() -> None:
-        os.kill(run.pids[0], signal.SIGKILL)
-        killed.append(time.monotonic())
-
-    timer = threading.Timer(0.3, kill)
-    timer.start()
-    try:
-        with pytest.raises(synk.WorkerDiedError):
-            slow(run.X)
-    finally:
-        timer.join()
-    record(request, time.monotonic() - killed[0])
+    _, killed_at = _call_killing_rank_1(run, seconds=3.0)
+    record(request, time.monotonic() - killed_at)
 
 
 @pytest.mark.reliability("fault", SY)
