@@ -95,7 +95,7 @@ def test_fork_arguments_are_checked(kwargs, match):
     assert current() is None and worker_pids() == []
 
 
-@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU (or emulates GPUs: SYNK_EMULATE_GPUS)")
 def test_use_gpu_without_gpu_is_value_error():
     with pytest.raises(ValueError, match="GPU"):
         synk.fork(2, use_gpu=True)
