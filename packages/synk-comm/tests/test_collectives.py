@@ -292,14 +292,19 @@ def test_broadcast(group, dtype, shape, seed, root, give):
         assert_exact(res, expected)
 
 
+def uneven_spec(data: st.DataObject, n: int, **spec: object) -> dict:
+    """A case whose ``n`` ranks give arrays of different shapes and dtypes (drawn here)."""
+    return dict(spec, shapes=data.draw(st.lists(shapes, min_size=n, max_size=n)),
+                dtypes=data.draw(st.lists(dtypes, min_size=n, max_size=n)))
+
+
 @CASES
 @given(data=st.data(), seed=seeds, root=st.integers(0, 3))
 def test_gather_uneven(group, data, seed, root):
     """Ranks give different shapes (and dtypes); the root gets each as it was given."""
     n = group.size
     root %= n
-    spec = dict(kind="gather", seed=seed, root=root, shapes=data.draw(st.lists(shapes, min_size=n, max_size=n)),
-                dtypes=data.draw(st.lists(dtypes, min_size=n, max_size=n)))
+    spec = uneven_spec(data, n, kind="gather", seed=seed, root=root)
     results = values(run_case(group, **spec))
     assert all(res is None for r, res in enumerate(results) if r != root)
     gathered = results[root]
@@ -312,8 +317,7 @@ def test_gather_uneven(group, data, seed, root):
 @given(data=st.data(), seed=seeds)
 def test_all_gather_uneven(group, data, seed):
     n = group.size
-    spec = dict(kind="all_gather", seed=seed, shapes=data.draw(st.lists(shapes, min_size=n, max_size=n)),
-                dtypes=data.draw(st.lists(dtypes, min_size=n, max_size=n)))
+    spec = uneven_spec(data, n, kind="all_gather", seed=seed)
     expected = inputs(spec, n)
     for gathered in values(run_case(group, **spec)):
         assert len(gathered) == n
@@ -326,8 +330,7 @@ def test_all_gather_uneven(group, data, seed):
 def test_scatter_uneven(group, data, seed, root):
     n = group.size
     root %= n
-    spec = dict(kind="scatter", seed=seed, root=root, shapes=data.draw(st.lists(shapes, min_size=n, max_size=n)),
-                dtypes=data.draw(st.lists(dtypes, min_size=n, max_size=n)))
+    spec = uneven_spec(data, n, kind="scatter", seed=seed, root=root)
     for res, expected in zip(values(run_case(group, **spec)), inputs(spec, n)):
         assert_exact(res, expected)
 
