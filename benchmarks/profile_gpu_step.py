@@ -182,7 +182,9 @@ def synk_phases(n: int, batch: int, scattered: int, steps: int = 20) -> None:
     with cProfile.Profile() as prof:
         for _ in range(steps):
             train(batch_s=rows)
-    pstats.Stats(prof).sort_stats("tottime").print_stats(10)
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(12)
+    stats.sort_stats("cumulative").print_stats(30)
     synk.close()
 
 

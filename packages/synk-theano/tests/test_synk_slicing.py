@@ -117,6 +117,15 @@ def test_batch_s_one_selection_for_all_ranks(fns, sdata, ranks, batch_s, num_sli
     assert_all_close(fns.fs(batch_s=batch_s, num_slices=num_slices)[:4], reference_fs(selected)[:4])
 
 
+def test_batch_s_walks_through_the_rows(fns, sdata, ranks):
+    """A training loop's minibatches: 2 rows at every start (in GPU mode one compiled slice whose
+    start is an argument serves them all)."""
+    per_rank = parts(sdata, ranks)
+    for start in range(min(len(p) for p in per_rank) - 1):
+        rows = slice(start, start + 2)
+        assert_all_close(fns.fs(batch_s=rows)[:4], reference_fs([p[rows] for p in per_rank])[:4])
+
+
 def per_rank_slices(n: int) -> list[slice]:
     return [slice(0, 1), slice(None, None, -1), slice(-2, None), slice(1, 3)][:n]
 
