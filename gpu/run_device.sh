@@ -14,12 +14,22 @@ nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
 what=${1:-all}  # all | tests | bench | comm | profile | mnist
-case "$what" in all|tests) ;; *) false;; esac && for suite in packages/synk-comm/tests/test_comm_gpu.py packages/synk-theano/tests/test_synk_gpu.py; do
-  timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
-done
-# every CPU-mode scenario of the synkhronos suite again, in GPU mode (float64: the tests' numpy data)
-case "$what" in all|tests) ;; *) false;; esac && { SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 420 \
-  python3 -m pytest -p no:cacheprovider -q packages/synk-theano/tests 2>&1 | tee "$OUT/gpu_suite.log" || status=1; }
+# The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode
+# (float64: the tests' numpy data), as four pytest processes at once: each forks its own groups
+# over both GPUs (no preallocation), so they share the GPUs; their compile time runs in parallel.
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  T=packages/synk-theano/tests
+  timeout 540 python3 -m pytest -p no:cacheprovider -q -m gpu packages/synk-comm/tests/test_comm_gpu.py \
+    $T/test_synk_gpu.py > "$OUT/gpu_tests.log" 2>&1 & pids=$!
+  mapfile -t modules < <(ls "$T"/test_synk_*.py | grep -v test_synk_gpu.py)
+  for part in 0 1 2; do  # every third module
+    files=""; for ((i = part; i < ${#modules[@]}; i += 3)); do files="$files ${modules[$i]}"; done
+    SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 540 python3 -m pytest -p no:cacheprovider -q $files \
+      > "$OUT/gpu_suite_$part.log" 2>&1 & pids="$pids $!"
+  done
+  for pid in $pids; do wait "$pid" || status=1; done
+  tail -n 3 "$OUT"/gpu_tests.log "$OUT"/gpu_suite_*.log
+fi
 if [ "$what" = all ] || [ "$what" = mnist ]; then  # the main job on every GPU, both data patterns
   for pattern in host scatter; do
     timeout 240 python3 examples/mnist/train_mnist.py --no-progress --pattern $pattern --plot "$OUT/mnist_gpu_$pattern.png" 2>&1 \
