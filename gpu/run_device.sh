@@ -19,12 +19,14 @@ what=${1:-all}  # all | tests | bench | comm | profile | mnist
 # over both GPUs (no preallocation), so they share the GPUs; their compile time runs in parallel.
 if [ "$what" = all ] || [ "$what" = tests ]; then
   T=packages/synk-theano/tests
-  timeout 540 python3 -m pytest -p no:cacheprovider -q -m gpu packages/synk-comm/tests/test_comm_gpu.py \
-    $T/test_synk_gpu.py > "$OUT/gpu_tests.log" 2>&1 & pids=$!
+  # one process per suite: synk_comm.spawn pins its master rank (this process) to the first GPU
+  (for suite in packages/synk-comm/tests/test_comm_gpu.py $T/test_synk_gpu.py; do
+     timeout 270 python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" || exit 1
+   done) > "$OUT/gpu_tests.log" 2>&1 & pids=$!
   mapfile -t modules < <(ls "$T"/test_synk_*.py | grep -v test_synk_gpu.py)
   for part in 0 1 2; do  # every third module
     files=""; for ((i = part; i < ${#modules[@]}; i += 3)); do files="$files ${modules[$i]}"; done
-    SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 540 python3 -m pytest -p no:cacheprovider -q $files \
+    SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 500 python3 -m pytest -p no:cacheprovider -q $files \
       > "$OUT/gpu_suite_$part.log" 2>&1 & pids="$pids $!"
   done
   for pid in $pids; do wait "$pid" || status=1; done

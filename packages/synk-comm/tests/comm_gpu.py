@@ -63,6 +63,14 @@ def nccl_collectives(group: Any, kind: str) -> list[str]:
         wrong.append(f"{kind} all_reduce of different shapes: no error")
     except ValueError:
         pass
+    mixed = _to_device(kind, local(r).astype(np.int32 if r == n - 1 else np.float32))
+    refused = [("all_reduce", lambda: nc.all_reduce(mixed, "sum")), ("all_gather", lambda: nc.all_gather(mixed))]
+    for name, run in refused:
+        try:  # different dtypes: NCCL would move different byte counts; every rank refuses instead
+            run()
+            wrong.append(f"{kind} {name} of different dtypes: no error")
+        except ValueError:
+            pass
     checks["all_reduce after a refused one"] = (to_host(nc.all_reduce(x, "sum")), np.sum(refs, axis=0))
     for name, (got, want) in checks.items():
         if got.shape != want.shape or not np.allclose(got, want):

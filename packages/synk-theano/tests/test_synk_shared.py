@@ -41,6 +41,7 @@ def test_seed_shared_variable_example(example, ranks):
 
     f.as_theano(x_dat.data)  # the master alone
     np.testing.assert_array_equal(s.get_value(), [10, 10])
+    assert s.get_value().dtype == np.float32  # as declared, like every rank's (NCCL moves bytes)
     gathered = synk.gather(s, nd_up=1)
     np.testing.assert_array_equal(gathered[1:], np.ones((ranks - 1, 2)))  # workers untouched
 

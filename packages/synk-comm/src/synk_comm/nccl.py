@@ -16,6 +16,7 @@ all_gather) are exchanged first through shared memory, so nothing is ever silent
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -126,9 +127,15 @@ class NcclCollectives(Collectives):
     def _sync(self) -> None:
         self._stream.sync()
 
-    def _shapes(self, array: Any) -> list[tuple[int, ...]]:
-        shapes = self.group.host.all_gather(np.array(array.shape, dtype=np.int64))
-        return [tuple(int(v) for v in s) for s in shapes]
+    def _shapes(self, array: Any, what: str) -> list[tuple[int, ...]]:
+        """Every rank's shape, in rank order; ValueError (in every rank) if the dtypes differ:
+        NCCL would move a different number of bytes in each rank, and hang or mix them up."""
+        dtype = _dtype_name(array)
+        mine = np.array([zlib.crc32(dtype.encode()), len(array.shape), *array.shape], dtype=np.int64)
+        seen = [tuple(int(v) for v in s) for s in self.group.host.all_gather(mine)]
+        if len({s[0] for s in seen}) > 1:
+            raise ValueError(f"{what}: every rank must give the same dtype; they differ (rank {self.rank}: {dtype})")
+        return [s[2:] for s in seen]
 
     def broadcast(self, array: Any, *, root: int = 0) -> Any:
         meta = (_framework(array), tuple(array.shape), _dtype_name(array)) if self.rank == root else None
@@ -158,12 +165,13 @@ class NcclCollectives(Collectives):
         return out
 
     def _agree(self, array: Any, what: str) -> None:
-        shapes = self._shapes(array)
+        """Every rank gives the same shape and dtype (else NCCL would hang or mix up bytes)."""
+        shapes = self._shapes(array, what)
         if len(set(shapes)) > 1:
             raise ValueError(f"{what}: every rank must give the same shape; got {shapes} in rank order")
 
     def all_gather(self, array: Any) -> list[Any]:
-        shapes = self._shapes(array)
+        shapes = self._shapes(array, "all_gather")
         if len(set(shapes)) == 1:
             n = int(np.prod(shapes[0]))
             flat = empty_like(array, (self.size * n,))

@@ -346,6 +346,7 @@ class Function:
             return fn(*values, **named)
         finally:
             fn.trust_input = True
+            self._replica.settle_updates()
 
     as_pytensor = as_theano
 

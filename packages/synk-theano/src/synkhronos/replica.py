@@ -90,6 +90,15 @@ class Replica:
             seen.setdefault(var, None)
         return list(seen)
 
+    def settle_updates(self) -> None:
+        """After PyTensor applied the updates itself (a one-pass call): in GPU mode, each updated
+        value in its variable's declared dtype (see :func:`_declared`).  Every rank must hold the
+        same dtype, or NCCL would move a different number of bytes in each."""
+        if self.device.use_gpu:
+            for var, _ in self.spec.updates:
+                storage = var.container.storage
+                storage[0] = _declared([storage[0]], [var])[0]
+
     # -- a rank's share of a call ---------------------------------------------------------------
     def run(self, scattered: Sequence[Any], bcast: Sequence[Any], sliceable_rows: Sequence[Any] | None,
             subset: Subset, num_slices: int, n_rows: int, to_host: bool = True) -> list[Any]:
@@ -105,10 +114,7 @@ class Replica:
         if num_slices == 1 and sliceable_rows is None:
             outs = self.full(subset)(*scattered, *bcast)
             outs = _declared(outs if isinstance(outs, list) else [outs], self._outputs(subset))
-            if self.device.use_gpu:  # the updates PyTensor applied itself, in their declared dtypes too
-                for var, _ in spec.updates:
-                    storage = var.container.storage
-                    storage[0] = _declared([storage[0]], [var])[0]
+            self.settle_updates()
             return [np.asarray(o) for o in outs] if to_host else outs
         fn = self.parts(subset)
         device = self.device
