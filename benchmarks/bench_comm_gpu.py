@@ -4,6 +4,8 @@ On a machine with n >= 2 GPUs, for float32 sums of 8 B, 1 MiB, 16 MiB, 256 MiB a
 
 * synk_comm: ``Group.all_reduce`` on JAX arrays through its NCCL backend (``synk_comm.spawn`` with
   one GPU per rank), out of place (a new result buffer per call) and in place (``out=x``);
+* synk_comm ``Group.all_reduce(t, out=t)`` on torch CUDA tensors (NCCL on torch's current stream,
+  no synchronisation per call, as torch.distributed does; max of ones, so the result stays checkable);
 * raw nccl4py on the same communicator, stream and kind of buffers:
   ``comm.allreduce(CudaBuffer(a), CudaBuffer(b), SUM, stream=...)``, calls queued back to back;
 * torch.distributed with the NCCL backend on torch CUDA tensors (in place, as torch does), in
@@ -124,7 +126,23 @@ def _gpu_row(group: synk_comm.Group, nbytes: int) -> dict[str, float | None]:
     check = np.asarray(out[:2])
     if not np.all(check == group.size):
         raise AssertionError(f"raw nccl4py all-reduce gave {check}, expected {group.size}")
+    row["synk_torch_inplace"] = _torch_inplace(group, count, iters)
     return row
+
+
+def _torch_inplace(group: synk_comm.Group, count: int, iters: int) -> float | None:
+    """``Group.all_reduce(t, out=t)`` on a torch CUDA tensor: NCCL on torch's current stream, no
+    synchronisation per call (as torch.distributed); one ``torch.cuda.synchronize`` per block."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    t = torch.ones(count, dtype=torch.float32, device="cuda")
+    group.all_reduce(t, "max", out=t)  # ones stay ones under max: the result is checkable after any count
+    seconds = time_blocks(lambda: group.all_reduce(t, "max", out=t), torch.cuda.synchronize, group.barrier, iters)
+    if not bool((t[:2] == 1).all()):
+        raise AssertionError(f"synk_comm all-reduce of a torch tensor gave {t[:2].tolist()}, expected ones")
+    return seconds
 
 
 def _cpu_row(group: synk_comm.Group, nbytes: int) -> dict[str, float | None]:
@@ -136,6 +154,7 @@ def _cpu_row(group: synk_comm.Group, nbytes: int) -> dict[str, float | None]:
         "synk": time_blocks(lambda: group.all_reduce(x, "sum"), lambda: None, group.barrier, iters),
         "synk_inplace": time_blocks(lambda: group.all_reduce(y, "sum", out=y), lambda: None, group.barrier, iters),
         "raw": None,
+        "synk_torch_inplace": None,
     }
     return row
 
@@ -255,7 +274,7 @@ def main() -> None:
     for nbytes in sizes:
         cells = [r[nbytes] for r in per_rank]
         rows[nbytes] = {k: (None if any(c[k] is None for c in cells) else max(c[k] for c in cells))
-                        for k in ("synk", "synk_inplace", "raw")}
+                        for k in ("synk", "synk_inplace", "raw", "synk_torch_inplace")}
         rows[nbytes]["torch"] = torch_s.get(nbytes)
     elapsed = time.perf_counter() - t_start
 
@@ -263,14 +282,16 @@ def main() -> None:
     print(f"synk-comm {synk_comm.__version__}, Python {platform.python_version()}, {torch_status}; {mode}; "
           f"float32 sum; slowest rank's median of {REPS} blocks; bus bandwidth 2(n-1)/n*bytes/time; "
           f"{elapsed:.1f} s\n")
-    print("| size | synk_comm ms | GB/s | synk_comm out=x ms | GB/s | raw nccl4py ms | GB/s | torch NCCL ms | GB/s "
-          "| synk / raw | synk out=x / raw | synk / torch | synk out=x / torch |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| size | synk_comm ms | GB/s | synk_comm out=x ms | GB/s | synk_comm torch out=x ms | GB/s "
+          "| raw nccl4py ms | GB/s | torch NCCL ms | GB/s | synk / raw | synk out=x / raw | synk out=x / torch "
+          "| synk torch out=x / torch |")
+    print("|---:|" + "---:|" * 14)
     for nbytes, row in rows.items():
         print(f"| {fmt_size(nbytes)} | {fmt(row['synk'], nbytes, n)} | {fmt(row['synk_inplace'], nbytes, n)} | "
-              f"{fmt(row['raw'], nbytes, n)} | {fmt(row['torch'], nbytes, n)} | "
-              f"{pct(row['synk'], row['raw'])} | {pct(row['synk_inplace'], row['raw'])} | "
-              f"{pct(row['synk'], row['torch'])} | {pct(row['synk_inplace'], row['torch'])} |")
+              f"{fmt(row['synk_torch_inplace'], nbytes, n)} | {fmt(row['raw'], nbytes, n)} | "
+              f"{fmt(row['torch'], nbytes, n)} | {pct(row['synk'], row['raw'])} | "
+              f"{pct(row['synk_inplace'], row['raw'])} | {pct(row['synk_inplace'], row['torch'])} | "
+              f"{pct(row['synk_torch_inplace'], row['torch'])} |")
     report = {"n": n, "use_gpu": USE_GPU, "torch": torch_status, "elapsed_s": elapsed, "rows": {
         str(nbytes): {**{f"{k}_s": v for k, v in row.items()},
                       **{f"{k}_busbw_GBps": busbw(nbytes, v, n) for k, v in row.items()}}

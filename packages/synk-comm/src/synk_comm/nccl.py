@@ -6,7 +6,10 @@ buffer goes to NCCL through :class:`CudaBuffer`, a view whose ``__cuda_array_int
 the array's own with ``version=3``.  JAX arrays are immutable: results land in a fresh buffer
 (:func:`empty_like`) that the collective returns -- except for ``all_reduce(x, out=x)``, which
 reduces in place, for callers that own ``x`` (synkhronos does, for a shared variable's value) --
-and the NCCL stream is synchronised before the result is handed back.
+and the NCCL stream is synchronised before the result is handed back (JAX cannot be told to wait
+for another stream).  PyTorch tensors and CuPy arrays have streams of their own: NCCL runs on the
+framework's current stream and the call returns as soon as it is queued, as torch.distributed's
+collectives do; the framework's later work on that stream (and any read to the host) waits for it.
 
 The communicator is built on first use: the master rank makes the unique id and the group's
 shared-memory broadcast carries it to the others.  Shapes that differ between ranks (gather,
@@ -127,6 +130,24 @@ class NcclCollectives(Collectives):
     def _sync(self) -> None:
         self._stream.sync()
 
+    def _stream_for(self, kind: str) -> tuple[Any, bool]:
+        """Where NCCL runs for arrays of framework ``kind``, and whether that framework orders its
+        later work after it: the current stream of torch or CuPy (ordered), else this backend's own."""
+        if kind == "torch":
+            import torch
+
+            return torch.cuda.current_stream().cuda_stream, True
+        if kind == "cupy":
+            import cupy
+
+            return cupy.cuda.get_current_stream().ptr, True
+        return self._stream, False
+
+    def _done(self, ordered: bool) -> None:
+        """Wait for the queued NCCL work unless the array's framework orders what follows."""
+        if not ordered:
+            self._sync()
+
     def _shapes(self, array: Any, what: str) -> list[tuple[int, ...]]:
         """Every rank's shape, in rank order; ValueError (in every rank) if the dtypes differ:
         NCCL would move a different number of bytes in each rank, and hang or mix them up."""
@@ -141,27 +162,30 @@ class NcclCollectives(Collectives):
         meta = (_framework(array), tuple(array.shape), _dtype_name(array)) if self.rank == root else None
         received: Any = self.group.broadcast_object(meta, root=root)
         kind, shape, dtype = received
+        stream, ordered = self._stream_for(kind)  # the root's framework: every rank allocates its kind
         out = empty(kind, shape, dtype, like=array)
         source = array if self.rank == root else out
-        self.comm.broadcast(CudaBuffer(source), CudaBuffer(out), root, stream=self._stream)
-        self._sync()
+        self.comm.broadcast(CudaBuffer(source), CudaBuffer(out), root, stream=stream)
+        self._done(ordered)
         return out
 
     def reduce(self, array: Any, op: ReduceOp | str = "sum", *, root: int = 0) -> Any:
+        stream, ordered = self._stream_for(_framework(array))
         rop = as_op(op, array.dtype)
         self._agree(array, "reduce")
         out = empty_like(array)
-        self.comm.reduce(CudaBuffer(array), CudaBuffer(out), self._ops[rop], root, stream=self._stream)
-        self._sync()
+        self.comm.reduce(CudaBuffer(array), CudaBuffer(out), self._ops[rop], root, stream=stream)
+        self._done(ordered)
         return out if self.rank == root else None
 
     def all_reduce(self, array: Any, op: ReduceOp | str = "sum", *, out: Any = None) -> Any:
+        stream, ordered = self._stream_for(_framework(array))
         rop = as_op(op, array.dtype)
         self._agree(array, "all_reduce")  # NCCL given different counts would hang or mix up data
         if out is None:
             out = empty_like(array)
-        self.comm.allreduce(CudaBuffer(array), CudaBuffer(out), self._ops[rop], stream=self._stream)
-        self._sync()
+        self.comm.allreduce(CudaBuffer(array), CudaBuffer(out), self._ops[rop], stream=stream)
+        self._done(ordered)
         return out
 
     def _agree(self, array: Any, what: str) -> None:
@@ -171,21 +195,22 @@ class NcclCollectives(Collectives):
             raise ValueError(f"{what}: every rank must give the same shape; got {shapes} in rank order")
 
     def all_gather(self, array: Any) -> list[Any]:
+        stream, ordered = self._stream_for(_framework(array))
         shapes = self._shapes(array, "all_gather")
         if len(set(shapes)) == 1:
             n = int(np.prod(shapes[0]))
             flat = empty_like(array, (self.size * n,))
-            self.comm.allgather(CudaBuffer(array), CudaBuffer(flat), stream=self._stream)
-            self._sync()
+            self.comm.allgather(CudaBuffer(array), CudaBuffer(flat), stream=stream)
+            self._done(ordered)
             return [flat[r * n:(r + 1) * n].reshape(shapes[0]) for r in range(self.size)]
         # Unequal shapes: one exact-size broadcast per rank (never padded or cut).
         parts = []
         for r, shape in enumerate(shapes):
             buf = array if r == self.rank else empty_like(array, shape)
             out = empty_like(array, shape)
-            self.comm.broadcast(CudaBuffer(buf), CudaBuffer(out), r, stream=self._stream)
+            self.comm.broadcast(CudaBuffer(buf), CudaBuffer(out), r, stream=stream)
             parts.append(out)
-        self._sync()
+        self._done(ordered)
         return parts
 
     def gather(self, array: Any, *, root: int = 0) -> list[Any] | None:
@@ -203,12 +228,13 @@ class NcclCollectives(Collectives):
         return mine
 
     def reduce_scatter(self, array: Any, op: ReduceOp | str = "sum") -> Any:
+        stream, ordered = self._stream_for(_framework(array))
         rop = as_op(op, array.dtype)
         self._agree(array, "reduce_scatter")
         if array.shape[0] % self.size:
             raise ValueError(f"NCCL reduce_scatter needs axis 0 ({array.shape[0]}) divisible by {self.size}")
         rows = array.shape[0] // self.size
         out = empty_like(array, (rows, *array.shape[1:]))
-        self.comm.reduce_scatter(CudaBuffer(array), CudaBuffer(out), self._ops[rop], stream=self._stream)
-        self._sync()
+        self.comm.reduce_scatter(CudaBuffer(array), CudaBuffer(out), self._ops[rop], stream=stream)
+        self._done(ordered)
         return out
