@@ -171,7 +171,7 @@ def synk_phases(n: int, batch: int, scattered: int, steps: int = 20) -> None:
     rows = slice(0, batch // n)
 
     def done() -> None:
-        synk.get_value(0, params[0])
+        synk.get_value(0, params[-1])
 
     t_step = timeit(lambda: train(batch_s=rows), reps=steps, warm=10)
     t_grad = timeit(lambda: train.grad_fn(batch_s=rows), reps=steps)

@@ -13,7 +13,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from synk_testutil import TIMEOUT, combine, parts, slices_of
+from synk_testutil import TIMEOUT, USE_GPU, combine, parts, slices_of
 
 import synkhronos as synk
 
@@ -118,12 +118,32 @@ def test_batch_s_one_selection_for_all_ranks(fns, sdata, ranks, batch_s, num_sli
 
 
 def test_batch_s_walks_through_the_rows(fns, sdata, ranks):
-    """A training loop's minibatches: 2 rows at every start (in GPU mode one compiled slice whose
-    start is an argument serves them all)."""
+    """A training loop's minibatches: 2 rows at every start, then shuffled index batches.  In GPU
+    mode the rows are selected inside the compiled function: one form for every start of 2 rows,
+    one for every index array."""
     per_rank = parts(sdata, ranks)
     for start in range(min(len(p) for p in per_rank) - 1):
         rows = slice(start, start + 2)
         assert_all_close(fns.fs(batch_s=rows)[:4], reference_fs([p[rows] for p in per_rank])[:4])
+    for index in ([3, 0], [1, -1, 1]):
+        assert_all_close(fns.fs(batch_s=index)[:4], reference_fs([p[index] for p in per_rank])[:4])
+    if USE_GPU:  # the master's own share took those forms
+        assert {(None, 2), (None, 0)} <= set(fns.fs._replica._selected)
+
+
+@pytest.mark.parametrize("mode", ["FAST_RUN", "JAX"])
+def test_row_window_op_matches_numpy(mode):
+    """``RowWindow(count)(x, start)`` is ``x[start:start + count]`` in PyTensor's default backend and
+    under JAX (where GPU mode compiles it into the function)."""
+    if mode == "JAX":
+        pytest.importorskip("jax")
+    from synkhronos.rows import RowWindow
+
+    x, start = pt.matrix("x", dtype="float64"), pt.iscalar("start")
+    f = pytensor.function([x, start], RowWindow(3)(x, start) * 2, mode=mode)
+    a = np.arange(24, dtype=np.float64).reshape(12, 2)
+    for s0 in (0, 4, 9):
+        np.testing.assert_array_equal(np.asarray(f(a, np.int32(s0))), a[s0:s0 + 3] * 2)
 
 
 def per_rank_slices(n: int) -> list[slice]:

@@ -23,7 +23,6 @@ machine::
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import types
@@ -158,20 +157,13 @@ class GpuDevice(Device):
             var.container.storage[0] = self.jax.device_put(np.asarray(value, dtype=dtype), self.device)
 
     def take(self, var: SharedVariable, rows: Any) -> Any:
-        """The rows, selected by one call of a compiled function: a contiguous slice is a
-        ``dynamic_slice`` whose start is an argument, an index array a gather; every row in order is
-        the value itself.  (JAX's eager ``value[a:b]`` took about 0.35 ms of the host's time per call
-        on the H200 machine, in the critical path of every ``batch_s`` step.)"""
+        """Rows selected by JAX's own indexing (one dispatch each: calls select slices of step 1
+        and index arrays inside the compiled function instead, see :meth:`Replica.selected
+        <synkhronos.replica.Replica.selected>`)."""
         value = self.raw(var)
         if isinstance(rows, slice):
-            start, stop, step = rows.indices(len(value))
-            count = len(range(start, stop, step))
-            if step != 1:
-                return value[rows]
-            if start == 0 and count == len(value):
-                return value
-            return _rows_from(value, start, count)
-        return _rows_at(value, self.jax.numpy.asarray(rows))
+            return value[rows]
+        return value[self.jax.numpy.asarray(rows)]
 
     def length(self, var: SharedVariable) -> int:
         return int(self.raw(var).shape[0])
@@ -182,25 +174,3 @@ class GpuDevice(Device):
             return
         self.set(var, value)
 
-
-@functools.cache
-def _compiled_row_selections() -> tuple[Any, Any]:
-    import jax
-
-    def rows_from(value: Any, start: Any, count: int) -> Any:
-        return jax.lax.dynamic_slice_in_dim(value, start, count, axis=0)
-
-    def rows_at(value: Any, index: Any) -> Any:
-        return value[index]
-
-    return jax.jit(rows_from, static_argnums=2), jax.jit(rows_at)
-
-
-def _rows_from(value: Any, start: int, count: int) -> Any:
-    """``value[start:start + count]`` (compiled once per count, shape and dtype; any start)."""
-    return _compiled_row_selections()[0](value, start, count)
-
-
-def _rows_at(value: Any, index: Any) -> Any:
-    """``value[index]`` (compiled once per index length, shape and dtype)."""
-    return _compiled_row_selections()[1](value, index)

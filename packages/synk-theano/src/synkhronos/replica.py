@@ -10,6 +10,11 @@ subset is a function of its own, compiled on first use and cached):
   outputs and updates slice by slice (each slice sees the original shared values), and applies
   the combined updates once at the end -- except a random generator's, which advances after each
   slice so that every slice draws new numbers.
+* ``selected`` -- GPU mode: as ``parts``, but the rows of the sliceable shared variables are
+  selected inside the compiled function, from their whole values, instead of by one JAX dispatch
+  per variable and call before it: a slice of step 1 as a :class:`~synkhronos.rows.RowWindow`
+  from a start given per call (one compiled form per row count), an index array as a gather
+  (one compiled form; JAX traces each index length once).  Other slices take ``parts``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Replica:
         self.device = device
         self._full: dict[Subset, Any] = {}
         self._parts: dict[Subset, Any] = {}
+        self._selected: dict[tuple[Subset, int], Any] = {}
         self.compile_seconds = 0.0
 
     def _outputs(self, subset: Subset) -> list[Any]:
@@ -70,6 +76,32 @@ class Replica:
             fn = self._parts[subset] = self._compile(
                 [*spec.all_inputs, *stand_ins], self._outputs(subset) + [expr for _, expr in spec.updates], [],
                 [*spec.givens, *zip(spec.sliceable, stand_ins)], subset)
+        return fn
+
+    def selected(self, subset: Subset, count: int) -> Any:
+        """``inputs + bcast_inputs + whole sliceable values + selection -> outputs + update values``.
+
+        ``count`` > 0: each sliceable variable is read as ``count`` rows from its own int32 start
+        (the selection: one start per variable); ``count`` = 0: all are read at the rows of one
+        int32 index vector (the selection)."""
+        key = (subset, count)
+        fn = self._selected.get(key)
+        if fn is None:
+            import pytensor.tensor as pt
+
+            from synkhronos.rows import RowWindow
+
+            spec = self.spec
+            wholes = [var.type() for var in spec.sliceable]
+            if count:
+                selection = [pt.iscalar(f"start{i}") for i in range(len(wholes))]
+                stand_ins = [RowWindow(count)(whole, start) for whole, start in zip(wholes, selection)]
+            else:
+                selection = [pt.ivector("rows")]
+                stand_ins = [whole[selection[0]] for whole in wholes]
+            fn = self._selected[key] = self._compile(
+                [*spec.all_inputs, *wholes, *selection], self._outputs(subset) + [expr for _, expr in spec.updates],
+                [], [*spec.givens, *zip(spec.sliceable, stand_ins)], subset)
         return fn
 
     def _compile(self, inputs: list[Any], outputs: list[Any], updates: list[Any], givens: list[Any],
@@ -116,12 +148,14 @@ class Replica:
             outs = _declared(outs if isinstance(outs, list) else [outs], self._outputs(subset))
             self.settle_updates()
             return [np.asarray(o) for o in outs] if to_host else outs
-        fn = self.parts(subset)
         device = self.device
         n_out = len(self._outputs(subset))
         ops = spec.output_ops if subset is None else [spec.output_ops[i] for i in subset]
         if sliceable_rows is None:  # several slices, no batch_s: every row of each sliceable shared
             sliceable_rows = [slice(0, device.length(var), 1) for var in spec.sliceable]
+        in_function = device.use_gpu and bool(spec.sliceable) and all(
+            not isinstance(rows, slice) or rows.step == 1 for rows in sliceable_rows)
+        wholes = [device.raw(var) for var in spec.sliceable] if in_function else []
         positions = np.arange(n_rows)
         outs_per_slice: list[list[Any]] = []
         weights: list[int] = []
@@ -131,8 +165,15 @@ class Replica:
                 continue
             lo, hi = int(chunk[0]), int(chunk[-1]) + 1
             xs = [x[lo:hi] for x in scattered]
-            ss = [device.take(var, _subrows(rows, lo, hi)) for var, rows in zip(spec.sliceable, sliceable_rows)]
-            outs = fn(*xs, *bcast, *ss)
+            selections = [_subrows(rows, lo, hi) for rows in sliceable_rows]
+            if in_function and isinstance(selections[0], slice):
+                starts = [np.int32(sel.start) for sel in selections]
+                outs = self.selected(subset, hi - lo)(*xs, *bcast, *wholes, *starts)
+            elif in_function:  # batch_s indices: the same for every sliceable variable
+                outs = self.selected(subset, 0)(*xs, *bcast, *wholes, np.asarray(selections[0], dtype=np.int32))
+            else:
+                ss = [device.take(var, sel) for var, sel in zip(spec.sliceable, selections)]
+                outs = self.parts(subset)(*xs, *bcast, *ss)
             for j in streams:  # a random stream advances slice by slice: each slice draws new numbers
                 device.put_update(spec.updates[j][0], outs[n_out + j])
             outs_per_slice.append(outs)
