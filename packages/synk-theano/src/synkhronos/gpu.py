@@ -173,4 +173,3 @@ class GpuDevice(Device):
             var.container.storage[0] = value
             return
         self.set(var, value)
-

@@ -3,8 +3,8 @@
 In GPU mode a call with ``batch_s`` selects rows of the sliceable shared variables, which live on
 the GPU.  Selected by the rank before the call, each selection is one more dispatch of a JAX
 computation (measured at about 0.4 ms of the host's time per call on the H200 machine, in the
-critical path of every training step).  Compiled into the function itself, it costs nothing: the
-function takes the whole value and the start, and XLA reads the window straight from it.
+critical path of every training step).  Compiled into the function itself, it needs no dispatch
+of its own: the function takes the whole value and the start, and XLA reads the window from it.
 
 PyTensor cannot express such a window with its own ops under JAX (``x[a:a + n]`` with a symbolic
 ``a`` has a symbolic length, which JAX's tracing refuses), so this module defines a small Op whose
