@@ -207,6 +207,39 @@ def test_master_rank_other_than_zero_in_a_fresh_process(tmp_path):
     assert "master rank 1 ok" in result.stdout
 
 
+SPAWN_THEN_FORK = """\
+import operator
+
+import numpy as np
+import pytensor.tensor as pt
+import synk_comm
+
+import synkhronos as synk
+from synkhronos.gpu import visible_devices
+
+every = visible_devices()
+assert synk_comm.spawn(operator.attrgetter("rank"), 2, devices=every[:2]) == [0, 1]
+assert visible_devices() == every, (visible_devices(), every)  # spawn pinned this process to one GPU
+assert synk.fork(use_gpu=True) == len(every)
+x = pt.matrix("x", dtype="float64")
+f = synk.function([x], (pt.sum(x), "sum"))
+xd = np.arange(12.0).reshape(6, 2)
+assert np.isclose(f(synk.data(xd)), xd.sum())
+print("spawn then fork ok")
+"""
+
+
+@pytest.mark.skipif(not USE_GPU, reason="GPU mode only: pinning to a GPU")
+def test_fork_after_a_synk_comm_group_uses_every_gpu(tmp_path):
+    """A synk_comm group with devices pins the master to its GPU; a fork in the same process
+    afterwards still uses every GPU of the run (it used to see only the pinned one)."""
+    script = tmp_path / "spawn_then_fork.py"
+    script.write_text(SPAWN_THEN_FORK)
+    result = run_script(str(script), cwd=str(tmp_path))
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert "spawn then fork ok" in result.stdout
+
+
 @pytest.mark.skipif(not USE_GPU and len(os.sched_getaffinity(0)) > 4,
                     reason="one worker per core would be too many here")
 def test_default_n_parallel_is_every_core_or_every_gpu():

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from synk_comm.buffers import Buffers
+from synk_comm.devices import pin
 from synk_comm.errors import (
     GroupAborted,
     GroupBrokenError,
@@ -555,7 +556,7 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
     for module in imports:
         importlib.import_module(module)
     if devices is not None:  # the master's own GPU, in effect if CUDA is not initialised yet
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(devices[master_rank])
+        pin(str(devices[master_rank]))
     naming.sweep()
     prefix = naming.new_name("g") + "."
     group = Group(prefix=prefix, rank=master_rank, size=size, master_rank=master_rank,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from synk_comm import devices
 from synkhronos import emulation
 from synkhronos.device import Device
 
@@ -39,13 +40,10 @@ if TYPE_CHECKING:
 __all__ = ["GpuDevice", "prepare_master", "visible_devices"]
 
 
-_ORIGINAL_VISIBLE: list[str | None] = []  # CUDA_VISIBLE_DEVICES before the first fork pinned the master
-
-
 def visible_devices() -> list[str]:
     """The GPUs this run may use, as CUDA_VISIBLE_DEVICES entries (as they were before the first
-    fork narrowed the master's own variable to its GPU)."""
-    visible = _ORIGINAL_VISIBLE[0] if _ORIGINAL_VISIBLE else os.environ.get("CUDA_VISIBLE_DEVICES")
+    group -- a fork, or a ``synk_comm`` group -- narrowed the master's own variable to its GPU)."""
+    visible = devices.visible_before_pin()
     if visible is not None:
         return [v.strip() for v in visible.split(",") if v.strip() and v.strip() != "-1"]
     count = emulation.emulated_gpus()  # SYNK_EMULATE_GPUS: a developer aid (see above)
@@ -71,26 +69,23 @@ def _jax_backend_initialised() -> bool:
 
 def prepare_master(n_parallel: int, master_rank: int) -> list[str]:
     """Pin the master to its GPU before JAX starts; returns the device entry of every rank."""
-    devices = visible_devices()[:n_parallel]
+    gpus = visible_devices()[:n_parallel]
     own = os.environ.get("CUDA_VISIBLE_DEVICES")
     pinned = own is not None and len([d for d in own.split(",") if d.strip()]) == 1
-    if _jax_backend_initialised() and not pinned and len(devices) > 1:
+    if _jax_backend_initialised() and not pinned and len(gpus) > 1:
         raise RuntimeError(
             "JAX's GPU backend is already initialised in this process with every GPU visible: it would "
             "preallocate memory on all of them and leave none to the workers. Call synk.fork() before "
             "anything runs JAX (creating arrays, compiling a mode='JAX' function), or set "
             "CUDA_VISIBLE_DEVICES to the GPUs Synkhronos may use before starting Python.")
-    if not _ORIGINAL_VISIBLE:
-        _ORIGINAL_VISIBLE.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    elif os.environ.get("CUDA_VISIBLE_DEVICES") != devices[master_rank] and "jax" in sys.modules:
-        raise RuntimeError(f"this process already runs JAX on GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}; "
-                           f"fork again with the same master_rank")
-    os.environ["CUDA_VISIBLE_DEVICES"] = devices[master_rank]
+    if devices.pinned() and own != gpus[master_rank] and "jax" in sys.modules:
+        raise RuntimeError(f"this process already runs JAX on GPU {own}; fork again with the same master_rank")
+    devices.pin(gpus[master_rank])
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     import pytensor
 
     pytensor.config.mode = "JAX"  # plain functions in the master read the GPU-resident shared values
-    return devices
+    return gpus
 
 
 class GpuDevice(Device):
