@@ -19,7 +19,7 @@ what=${1:-all}  # all | tests | bench | comm | profile | mnist
 # over both GPUs (no preallocation), so they share the GPUs; their compile time runs in parallel.
 if [ "$what" = all ] || [ "$what" = tests ]; then
   T=packages/synk-theano/tests
-  # one process per suite: synk_comm.spawn pins its master rank (this process) to the first GPU
+  # the two GPU-marker suites one after the other, each in a pytest process of its own
   (for suite in packages/synk-comm/tests/test_comm_gpu.py $T/test_synk_gpu.py; do
      timeout 270 python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" || exit 1
    done) > "$OUT/gpu_tests.log" 2>&1 & pids=$!
