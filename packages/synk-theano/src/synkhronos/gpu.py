@@ -71,8 +71,8 @@ def prepare_master(n_parallel: int, master_rank: int) -> list[str]:
     """Pin the master to its GPU before JAX starts; returns the device entry of every rank."""
     gpus = visible_devices()[:n_parallel]
     own = os.environ.get("CUDA_VISIBLE_DEVICES")
-    pinned = own is not None and len([d for d in own.split(",") if d.strip()]) == 1
-    if _jax_backend_initialised() and not pinned and len(gpus) > 1:
+    sees_one_gpu = own is not None and len([d for d in own.split(",") if d.strip()]) == 1
+    if _jax_backend_initialised() and not sees_one_gpu and len(gpus) > 1:
         raise RuntimeError(
             "JAX's GPU backend is already initialised in this process with every GPU visible: it would "
             "preallocate memory on all of them and leave none to the workers. Call synk.fork() before "

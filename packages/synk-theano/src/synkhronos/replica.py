@@ -71,11 +71,8 @@ class Replica:
         """``inputs + bcast_inputs + sliceable stand-ins -> outputs + update values`` (per slice)."""
         fn = self._parts.get(subset)
         if fn is None:
-            spec = self.spec
-            stand_ins = [var.type() for var in spec.sliceable]
-            fn = self._parts[subset] = self._compile(
-                [*spec.all_inputs, *stand_ins], self._outputs(subset) + [expr for _, expr in spec.updates], [],
-                [*spec.givens, *zip(spec.sliceable, stand_ins)], subset)
+            stand_ins = [var.type() for var in self.spec.sliceable]
+            fn = self._parts[subset] = self._compile_per_slice(subset, stand_ins, stand_ins)
         return fn
 
     def selected(self, subset: Subset, count: int) -> Any:
@@ -91,18 +88,22 @@ class Replica:
 
             from synkhronos.rows import RowWindow
 
-            spec = self.spec
-            wholes = [var.type() for var in spec.sliceable]
+            wholes = [var.type() for var in self.spec.sliceable]
             if count:
                 selection = [pt.iscalar(f"start{i}") for i in range(len(wholes))]
                 stand_ins = [RowWindow(count)(whole, start) for whole, start in zip(wholes, selection)]
             else:
                 selection = [pt.ivector("rows")]
                 stand_ins = [whole[selection[0]] for whole in wholes]
-            fn = self._selected[key] = self._compile(
-                [*spec.all_inputs, *wholes, *selection], self._outputs(subset) + [expr for _, expr in spec.updates],
-                [], [*spec.givens, *zip(spec.sliceable, stand_ins)], subset)
+            fn = self._selected[key] = self._compile_per_slice(subset, [*wholes, *selection], stand_ins)
         return fn
+
+    def _compile_per_slice(self, subset: Subset, extra_inputs: list[Any], stand_ins: list[Any]) -> Any:
+        """``inputs + bcast_inputs + extra_inputs -> outputs + update values``, each sliceable
+        variable replaced by its stand-in (an expression of ``extra_inputs``)."""
+        spec = self.spec
+        return self._compile([*spec.all_inputs, *extra_inputs], self._outputs(subset) + [e for _, e in spec.updates],
+                             [], [*spec.givens, *zip(spec.sliceable, stand_ins)], subset)
 
     def _compile(self, inputs: list[Any], outputs: list[Any], updates: list[Any], givens: list[Any],
                  subset: Subset) -> Any:
