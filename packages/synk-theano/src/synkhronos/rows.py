@@ -56,10 +56,12 @@ class RowWindow(Op):
         return Apply(self, [x, start], [out])
 
     def perform(self, node: Apply, inputs: Sequence[Any], output_storage: list[list[Any]]) -> None:
+        """The window as a new numpy array (backends other than JAX)."""
         x, start = inputs
         output_storage[0][0] = np.array(x[int(start):int(start) + self.count])
 
     def infer_shape(self, fgraph: Any, node: Apply, input_shapes: list[Any]) -> list[tuple[Any, ...]]:
+        """``(count, *x.shape[1:])``."""
         return [(self.count, *input_shapes[0][1:])]
 
 
