@@ -13,13 +13,11 @@ and update calls alone, and a cProfile of the master, with 2048 or 16384 rows sc
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 
 import numpy as np
-
-D, H, L, C = 1024, 4096, 4, 10
+from bench_gpu import C, D, mlp  # the same MLP as the benchmark (scripts of one folder)
 
 
 def build(batch: int):
@@ -29,19 +27,8 @@ def build(batch: int):
 
     dev = jax.devices()[0]
     rng = np.random.default_rng(0)
-    dims = [D] + [H] * L + [C]
-    ws = [pytensor.shared((rng.standard_normal((a, b)) / np.sqrt(a)).astype("float32"), name=f"w{i}")
-          for i, (a, b) in enumerate(itertools.pairwise(dims))]
-    bs = [pytensor.shared(np.zeros(b, dtype="float32"), name=f"b{i}") for i, b in enumerate(dims[1:])]
-    params = ws + bs
     x, y = pt.matrix("x"), pt.ivector("y")
-    h = x
-    for i, (w, b) in enumerate(zip(ws, bs)):
-        h = h @ w + b
-        if i < len(ws) - 1:
-            h = pt.tanh(h)
-    logp = pt.special.log_softmax(h, axis=1)
-    loss = -pt.mean(logp[pt.arange(y.shape[0]), y])
+    loss, params = mlp(x, y, rng)
     grads = pytensor.grad(loss, params)
     flat_g = pt.concatenate([g.flatten() for g in grads])
     sizes = [int(np.prod(p.get_value().shape)) for p in params]
@@ -144,7 +131,6 @@ def synk_phases(n: int, batch: int, scattered: int, steps: int = 20) -> None:
     import pstats
 
     import pytensor
-    import pytensor.tensor as pt
 
     import synkhronos as synk
     from synk_lasagne import make_train_function, updates
@@ -153,18 +139,7 @@ def synk_phases(n: int, batch: int, scattered: int, steps: int = 20) -> None:
     rng = np.random.default_rng(0)
     xs = pytensor.shared(np.zeros((0, D), dtype="float32"), name="xs")
     ys = pytensor.shared(np.zeros(0, dtype="int32"), name="ys")
-    h = xs
-    dims = [D] + [H] * L + [C]
-    params = []
-    for i, (a, b) in enumerate(itertools.pairwise(dims)):
-        w = pytensor.shared((rng.standard_normal((a, b)) / np.sqrt(a)).astype("float32"), name=f"w{i}")
-        bias = pytensor.shared(np.zeros(b, dtype="float32"), name=f"b{i}")
-        params += [w, bias]
-        h = h @ w + bias
-        if i < L:
-            h = pt.tanh(h)
-    logp = pt.special.log_softmax(h, axis=1)
-    loss = -pt.mean(logp[pt.arange(ys.shape[0]), ys])
+    loss, params = mlp(xs, ys, rng)
     train = make_train_function(loss, params, [], updates.sgd, sliceable_shareds=[xs, ys], learning_rate=1e-3)
     synk.scatter([xs, ys], [synk.data(rng.standard_normal((scattered, D)).astype("float32")),
                             synk.data(rng.integers(0, C, scattered).astype("int32"))])
