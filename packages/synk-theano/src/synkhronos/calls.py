@@ -15,6 +15,8 @@ The plan travels through the group's shared int64 scratch slots -- no pickling o
                       ``(offset, length, 0)`` into the shared index buffer
 ``data ids``          the Data arguments, inputs then broadcast inputs
 ``subset``            output indices, or none for all
+``device outputs``    a bit per output: set when it combines through collectives rather than
+                      the replies (:mod:`synkhronos.outputs`; the master's choice)
 ====================  ==========================================================================
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from synkhronos import outputs as outputs_path
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime
 
@@ -38,7 +41,7 @@ class SelectionError(IndexError, ValueError):
 
 NONE = np.iinfo(np.int64).min
 """Stands for ``None`` in a slice bound."""
-HEADER = 8
+HEADER = 9
 
 
 @dataclass
@@ -53,6 +56,7 @@ class CallPlan:
     bs_kind: int = 0
     bs: np.ndarray | None = None  # (size, 3)
     index_did: int = -1  # the shared index buffer holding batch / batch_s indices
+    device_outputs: int = 0  # bit i: output i combines through collectives (synkhronos.outputs)
 
     @staticmethod
     def length(n_data: int, n_subset: int, size: int) -> int:
@@ -69,8 +73,8 @@ def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
     """Write ``plan`` into the scratch slots (the caller checked that it fits)."""
     n_data = len(plan.data_ids)
     n_sub = -1 if plan.subset is None else len(plan.subset)
-    scratch[:8] = (plan.fid, plan.num_slices, plan.batch_kind, plan.batch_start, plan.bs_kind, n_data, n_sub,
-                   plan.index_did)
+    scratch[:HEADER] = (plan.fid, plan.num_slices, plan.batch_kind, plan.batch_start, plan.bs_kind, n_data, n_sub,
+                        plan.index_did, plan.device_outputs)
     i = HEADER
     scratch[i:i + n_data] = plan.data_ids
     i += n_data
@@ -86,7 +90,8 @@ def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
 
 def decode(scratch: np.ndarray, size: int) -> CallPlan:
     """Read the plan that :func:`encode` wrote."""
-    fid, num_slices, batch_kind, batch_start, bs_kind, n_data, n_sub, index_did = (int(v) for v in scratch[:8])
+    fid, num_slices, batch_kind, batch_start, bs_kind, n_data, n_sub, index_did, device_outputs = (
+        int(v) for v in scratch[:HEADER])
     i = HEADER
     data_ids = scratch[i:i + n_data].tolist()
     i += n_data
@@ -98,7 +103,7 @@ def decode(scratch: np.ndarray, size: int) -> CallPlan:
     i += 2 * size
     bs = scratch[i:i + 3 * size].reshape(size, 3).copy() if bs_kind else None
     return CallPlan(fid, num_slices, batch_kind, batch_start, data_ids, subset, positions, bs_kind, bs,
-                    index_did)
+                    index_did, device_outputs)
 
 
 def _sliceable_rows(rt: Runtime, rep: Replica, plan: CallPlan) -> tuple[list[Any] | None, int | None]:
@@ -139,11 +144,9 @@ def _indices(rt: Runtime, plan: CallPlan) -> np.ndarray:
     return values
 
 
-def execute(rt: Runtime, plan: CallPlan, to_host: bool = True) -> tuple[float, list[Any]]:
-    """Run this rank's share of a call; returns (weight, outputs combined over its slices).
-
-    ``to_host=False`` leaves one-pass outputs on the device, not waited for (see
-    :meth:`Replica.run <synkhronos.replica.Replica.run>`)."""
+def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[Any]]:
+    """Run this rank's share of a call; returns (weight, outputs combined over its slices), the
+    outputs where they were computed (on a GPU: not waited for)."""
     rep = rt.replicas[plan.fid]
     spec = rep.spec
     datas = [rt.data[d] for d in plan.data_ids]
@@ -183,21 +186,37 @@ def execute(rt: Runtime, plan: CallPlan, to_host: bool = True) -> tuple[float, l
         rt.group.barrier()
     if weight == 0:
         return 0.0, []
-    outputs = rep.run(scattered, bcast, sliceable_rows, plan.subset, plan.num_slices, n_rows, to_host)
+    outputs = rep.run(scattered, bcast, sliceable_rows, plan.subset, plan.num_slices, n_rows)
     return weight, outputs
 
 
 def share(rt: Runtime, plan: CallPlan) -> list[np.ndarray]:
     """Execute this rank's share: ``[weight, *outputs]``, which a worker replies to the master."""
-    return reply(rt, *execute(rt, plan))
+    return reply(rt, plan, *execute(rt, plan))
 
 
-def reply(rt: Runtime, weight: float, outputs: Sequence[Any]) -> list[np.ndarray]:
-    """``[weight, *outputs]`` in host memory; a worker replies it to the master."""
+def reply(rt: Runtime, plan: CallPlan, weight: float, outputs: Sequence[Any]) -> list[np.ndarray]:
+    """``[weight, *outputs]`` in host memory, which a worker replies to the master.
+
+    Outputs that the plan sends through collectives (:mod:`synkhronos.outputs`) are combined
+    first: in the master their entry is the combined result, in a worker an empty placeholder.
+    A rank without rows has no outputs of its own (``[weight]`` alone, unless combined ones)."""
+    combined: dict[int, np.ndarray] = {}
+    if plan.device_outputs:
+        rep = rt.replicas[plan.fid]
+        variables = rep.output_variables(plan.subset)
+        ops = rep.output_ops(plan.subset)
+        combined = outputs_path.reduce_on_device(rt, weight, outputs, ops, variables, plan.device_outputs)
+        if combined or outputs:
+            outputs = [combined.get(i, _EMPTY) if plan.device_outputs >> i & 1 else
+                       (outputs[i] if outputs else _EMPTY) for i in range(len(ops))]
     result = [np.array(weight), *(np.asarray(o) for o in outputs)]
     if not rt.is_master:
         rt.group.reply(result)
     return result
+
+
+_EMPTY = np.empty(0)
 
 
 def normalise_positions(total: int, size: int) -> np.ndarray:

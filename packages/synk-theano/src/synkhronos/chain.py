@@ -77,7 +77,7 @@ class Chain:
         rt.group.scratch[offset:offset + len(tail)] = tail
         with _selection_errors(), rt.group.command(CHAIN):
             own = _run(rt, plan, offset)
-        return first._gather(rt, own, subset)
+        return first._gather(rt, own, plan)
 
 
 def chain(first: Function, all_reduce: Any, op: str = "avg", then: Function | None = None,
@@ -147,7 +147,7 @@ def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
     scratch = rt.group.scratch
     then_fid, op_code, zeros_if_idle, n = (int(v) for v in scratch[offset:offset + 4])
     variables = [rt.shared[int(sid)] for sid in scratch[offset + 4:offset + 4 + n]]
-    weight, outputs = calls.execute(rt, plan, to_host=False)
+    weight, outputs = calls.execute(rt, plan)
     if weight == 0 and zeros_if_idle:
         for var in variables:
             rt.device.set(var, np.zeros(rt.device.raw(var).shape, dtype=var.type.dtype))
@@ -155,8 +155,8 @@ def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
     if rt.size > 1:
         _all_reduce(rt, variables, OPS[op_code], nccl=True)
     if then_fid >= 0:
-        rt.replicas[then_fid].run([], [], None, None, 1, 1, to_host=False)
-    return calls.reply(rt, weight, outputs)
+        rt.replicas[then_fid].run([], [], None, None, 1, 1)
+    return calls.reply(rt, plan, weight, outputs)
 
 
 @handler(CHAIN)

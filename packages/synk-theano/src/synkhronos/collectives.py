@@ -307,7 +307,7 @@ def _collective(group: Group, payload: tuple[str, dict[str, Any]]) -> Any:
 def _on_device(rt: Runtime, nccl: bool) -> bool:
     """True when the values move GPU to GPU through NCCL (GPU mode with values on a GPU,
     ``nccl=True``); False under ``SYNK_EMULATE_GPUS``, whose values sit on JAX's CPU backend."""
-    return nccl and rt.device.use_gpu and getattr(rt.device, "on_gpu", True)
+    return nccl and rt.device.nccl_capable
 
 
 def _value(rt: Runtime, var: Any, nccl: bool) -> Any:

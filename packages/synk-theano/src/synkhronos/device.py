@@ -25,6 +25,8 @@ class Device:
     use_gpu = False
     xp: Any = np
     """The array module of values computed in this rank (numpy; jax.numpy on GPUs)."""
+    nccl_capable = False
+    """Whether values may move between ranks through NCCL (GPU mode with values on a GPU)."""
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The keyword arguments for ``pytensor.function`` in this mode."""

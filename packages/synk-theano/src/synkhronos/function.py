@@ -22,6 +22,7 @@ import numpy as np
 from synk_comm import WorkerError
 from synk_shm import Data
 from synkhronos import calls, data_registry
+from synkhronos import outputs as outputs_path
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, describe, get_runtime
@@ -55,6 +56,7 @@ class Function:
         self._spec = spec
         self._replica = replica
         self._by_name: dict[str, int] = {}
+        self._output_nbytes: dict[tuple[int, ...] | None, list[int]] = {}  # per subset, the last call's
         for i, var in enumerate(spec.all_inputs):
             if var.name:
                 self._by_name.setdefault(var.name, i)
@@ -129,7 +131,7 @@ class Function:
         plan = self._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices)
         with _selection_errors(), rt.group.command(CALL):
             own = calls.share(rt, plan)
-        return self._gather(rt, own, subset)
+        return self._gather(rt, own, plan)
 
     def _prepare(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], subset: tuple[int, ...] | None,
                  batch: Any, batch_s: Any, num_slices: Any, extra_slots: int = 0) -> calls.CallPlan:
@@ -157,19 +159,25 @@ class Function:
             raise RuntimeError(f"{self!r} was built for a group that is closed: build it again with "
                                "synk.function() after synk.fork()")
 
-    def _gather(self, rt: Runtime, own: list[np.ndarray], subset: tuple[int, ...] | None) -> Any:
-        """The combined outputs, from the master's share and the workers' replies."""
+    def _gather(self, rt: Runtime, own: list[np.ndarray], plan: calls.CallPlan) -> Any:
+        """The combined outputs, from the master's share and the workers' replies (outputs that
+        went through collectives are combined already: the master's own entry)."""
         shares = rt.group.replies()
         shares[rt.rank] = own
-        return self._combine([shares[r] for r in range(rt.size)], subset)
+        ordered = [shares[r] for r in range(rt.size)]
+        weights = [float(s[0]) for s in ordered]
+        ops = self._replica.output_ops(plan.subset)
 
-    def _combine(self, shares: list[list[np.ndarray]], subset: tuple[int, ...] | None) -> Any:
-        spec = self._spec
-        ops = spec.output_ops if subset is None else [spec.output_ops[i] for i in subset]
-        weights = [float(s[0]) for s in shares]
-        results = [combine(op, [s[1 + i] if len(s) > 1 else np.empty(0) for s in shares], weights)
-                   for i, op in enumerate(ops)]
-        if subset is None and spec.single_output:
+        def result(i: int, op: str) -> Any:
+            if plan.device_outputs >> i & 1 and len(own) > 1 + i:
+                return own[1 + i]
+            return combine(op, [s[1 + i] if len(s) > 1 else np.empty(0) for s in ordered], weights,
+                           what=f"output {i}")
+
+        results = [result(i, op) for i, op in enumerate(ops)]
+        self._output_nbytes[plan.subset] = [r.nbytes // (rt.size if op == "gather" else 1)
+                                            for r, op in zip(results, ops)]
+        if plan.subset is None and self._spec.single_output:
             return results[0]
         if not ops:
             return None
@@ -236,9 +244,13 @@ class Function:
                              "nothing to compute")
         bs_kind, bs = self._batch_s(rt, batch_s, index_parts)
         index_did = data_registry.write_indices(rt, np.concatenate(index_parts)) if index_parts else -1
+        rep = self._replica
+        device_outputs = outputs_path.choose(rt, rep.output_ops(subset),
+                                             [v.type.dtype for v in rep.output_variables(subset)],
+                                             self._output_nbytes.get(subset))
         return calls.CallPlan(spec.fid, int(num_slices), kind, start,
                               [data_registry.data_id(rt, d) for d in datas], subset,
-                              calls.normalise_positions(total, rt.size), bs_kind, bs, index_did)
+                              calls.normalise_positions(total, rt.size), bs_kind, bs, index_did, device_outputs)
 
     def _batch(self, scattered: list[Data], batch: Any, index_parts: list[np.ndarray]) -> tuple[int, int, int]:
         """(kind, start, total) of the scattered rows; index batches go into ``index_parts``."""

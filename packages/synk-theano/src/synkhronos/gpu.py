@@ -111,6 +111,11 @@ class GpuDevice(Device):
         which decides whether collectives may go through NCCL."""
         return self.device.platform == "gpu"
 
+    @property
+    def nccl_capable(self) -> bool:  # type: ignore[override]
+        """Values move between ranks through NCCL when they are on GPUs (see :attr:`on_gpu`)."""
+        return self.on_gpu
+
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         mode = kwargs.get("mode")
         if mode is not None and str(mode).upper() != "JAX" and getattr(mode, "linker", None).__class__.__name__ \

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["OUTPUT_OPS", "UPDATE_OPS", "check_op", "combine"]
+__all__ = ["OUTPUT_OPS", "UPDATE_OPS", "check_op", "combine", "common_shape"]
 
 OUTPUT_OPS = ("avg", "sum", "prod", "max", "min", "gather")
 UPDATE_OPS = ("avg", "sum", "prod", "max", "min")
@@ -39,15 +39,34 @@ def check_op(op: Any, what: str, allowed: Sequence[str] = OUTPUT_OPS) -> str:
     return name.lower()
 
 
-def combine(op: str, values: Sequence[Any], weights: Sequence[float], xp: Any = np) -> Any:
+def common_shape(op: str, shapes: Sequence[tuple[int, ...]], what: str) -> tuple[int, ...]:
+    """The one shape of the parts' values (``gather``: beyond axis 0, where the rows may differ).
+
+    Raises
+    ------
+    ValueError
+        If the parts' shapes differ: their values cannot be combined by ``op``.
+    """
+    key = (lambda s: s[1:]) if op == "gather" else (lambda s: s)
+    if len({key(s) for s in shapes}) > 1:
+        where = "beyond axis 0 " if op == "gather" else ""
+        raise ValueError(f"{what} (op {op!r}) has different shapes {where}in the ranks or slices: "
+                         f"{list(shapes)}; its values cannot be combined")
+    return tuple(shapes[0])
+
+
+def combine(op: str, values: Sequence[Any], weights: Sequence[float], xp: Any = np,
+            what: str = "a value") -> Any:
     """Combine per-part values by ``op`` (see the module docstring); parts of weight 0 are skipped.
 
     ``xp`` is the array module of the values: numpy (host), or ``jax.numpy`` for update values
-    that stay on the GPU.  A single part is returned as it is.
+    that stay on the GPU.  A single part is returned as it is.  ``what`` names the value in the
+    ValueError raised when the parts' shapes differ.
     """
     parts = [(v if xp is not np else np.asarray(v), w) for v, w in zip(values, weights) if w > 0]
     if not parts:
         raise ValueError("no part computed anything (every rank had 0 rows)")
+    common_shape(op, [tuple(v.shape) for v, _ in parts], what)
     if op == "gather":
         arrays = [v for v, _ in parts]
         return xp.stack(arrays) if arrays[0].ndim == 0 else xp.concatenate(arrays, axis=0)

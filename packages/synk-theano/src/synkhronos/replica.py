@@ -48,9 +48,15 @@ class Replica:
         self._selected: dict[tuple[Subset, int], Any] = {}
         self.compile_seconds = 0.0
 
-    def _outputs(self, subset: Subset) -> list[Any]:
+    def output_variables(self, subset: Subset) -> list[Any]:
+        """The outputs of a call with ``subset``, in the call's order."""
         outs = self.spec.outputs
         return list(outs) if subset is None else [outs[i] for i in subset]
+
+    def output_ops(self, subset: Subset) -> list[str]:
+        """Their reduce ops, in the same order."""
+        ops = self.spec.output_ops
+        return list(ops) if subset is None else [ops[i] for i in subset]
 
     def _kwargs(self, subset: Subset) -> dict[str, Any]:
         kwargs = self.device.compile_kwargs(self.spec.kwargs)
@@ -63,7 +69,7 @@ class Replica:
         fn = self._full.get(subset)
         if fn is None:
             spec = self.spec
-            fn = self._full[subset] = self._compile(spec.all_inputs, self._outputs(subset), spec.updates,
+            fn = self._full[subset] = self._compile(spec.all_inputs, self.output_variables(subset), spec.updates,
                                                     spec.givens, subset)
         return fn
 
@@ -102,8 +108,9 @@ class Replica:
         """``inputs + bcast_inputs + extra_inputs -> outputs + update values``, each sliceable
         variable replaced by its stand-in (an expression of ``extra_inputs``)."""
         spec = self.spec
-        return self._compile([*spec.all_inputs, *extra_inputs], self._outputs(subset) + [e for _, e in spec.updates],
-                             [], [*spec.givens, *zip(spec.sliceable, stand_ins)], subset)
+        outputs = self.output_variables(subset) + [e for _, e in spec.updates]
+        return self._compile([*spec.all_inputs, *extra_inputs], outputs, [],
+                             [*spec.givens, *zip(spec.sliceable, stand_ins)], subset)
 
     def _compile(self, inputs: list[Any], outputs: list[Any], updates: list[Any], givens: list[Any],
                  subset: Subset) -> Any:
@@ -134,24 +141,24 @@ class Replica:
 
     # -- a rank's share of a call ---------------------------------------------------------------
     def run(self, scattered: Sequence[Any], bcast: Sequence[Any], sliceable_rows: Sequence[Any] | None,
-            subset: Subset, num_slices: int, n_rows: int, to_host: bool = True) -> list[Any]:
+            subset: Subset, num_slices: int, n_rows: int) -> list[Any]:
         """Compute this rank's outputs (combined over slices) and apply its updates locally.
 
         ``scattered`` are this rank's rows of the scattered inputs, ``bcast`` the whole broadcast
         inputs, ``sliceable_rows`` the row selection (a slice with concrete bounds, or an index
         array) of each sliceable shared variable, None when the call has no ``batch_s``;
-        ``n_rows`` the rows this rank computes on.  With ``to_host=False`` the outputs of a
-        one-pass call stay where they were computed (on a GPU: not waited for).
+        ``n_rows`` the rows this rank computes on.  The outputs stay where they were computed
+        (on a GPU: not waited for); :func:`synkhronos.calls.reply` brings them to the host.
         """
         spec = self.spec
         if num_slices == 1 and sliceable_rows is None:
             outs = self.full(subset)(*scattered, *bcast)
-            outs = _declared(outs if isinstance(outs, list) else [outs], self._outputs(subset))
+            outs = _declared(outs if isinstance(outs, list) else [outs], self.output_variables(subset))
             self.settle_updates()
-            return [np.asarray(o) for o in outs] if to_host else outs
+            return outs
         device = self.device
-        n_out = len(self._outputs(subset))
-        ops = spec.output_ops if subset is None else [spec.output_ops[i] for i in subset]
+        n_out = len(self.output_variables(subset))
+        ops = self.output_ops(subset)
         if sliceable_rows is None:  # several slices, no batch_s: every row of each sliceable shared
             sliceable_rows = [slice(0, device.length(var), 1) for var in spec.sliceable]
         in_function = device.use_gpu and bool(spec.sliceable) and all(
@@ -181,8 +188,8 @@ class Replica:
             weights.append(hi - lo)
         if not outs_per_slice:
             return []
-        outputs = _declared([combine(ops[i], [o[i] for o in outs_per_slice], weights) for i in range(n_out)],
-                            self._outputs(subset))
+        outputs = _declared([combine(ops[i], [o[i] for o in outs_per_slice], weights, xp=device.xp)
+                             for i in range(n_out)], self.output_variables(subset))
         for j, (var, _) in enumerate(spec.updates):  # combined where they live (GPU: no host round trip)
             if j in streams:
                 continue
