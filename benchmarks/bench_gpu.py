@@ -3,8 +3,9 @@
 1. all_reduce of a 256 MB float32 shared variable (``synk.all_reduce``) against raw nccl4py
    all-reduces of 256 MB JAX buffers, in a group of the same size started in the same run.
 2. Data-parallel training step of the DDP anchor MLP (1024 -> 4 x 4096 tanh -> 10, softmax
-   cross-entropy, SGD, float32; XLA's default matmul precision, i.e. TF32 on Hopper) for several
-   global batches on 1 GPU and on every GPU, beside PyTorch DDP (TF32) on the same shapes and the
+   cross-entropy, SGD, float32; XLA's default matmul precision, i.e. TF32 on Hopper, then again
+   with strict float32 matmuls, the DESIGN anchor's two rows) for several global batches on 1
+   GPU and on every GPU, beside PyTorch DDP (TF32) on the same shapes and the
    plain PyTensor JAX step on one GPU: step time, scaling, peak GPU memory.  Synkhronos:
    ``synk_lasagne.make_train_function`` with data scattered once into GPU memory (sliceable
    shareds, ``batch_s``): one chained command per step (gradient into ONE flat shared vector,
@@ -30,6 +31,9 @@ from typing import Any
 import numpy as np
 
 OUT = os.environ.get("OUT", "/tmp")
+PRECISION_ENV = "JAX_DEFAULT_MATMUL_PRECISION"
+"""Set to "highest" (strict float32 matmuls: JAX reads it at import; the DDP rows follow it) for
+the strict float32 table; unset, matmuls run in TF32 on Hopper (JAX's and our DDP rows' default)."""
 USE_GPU = os.environ.get("SYNK_BENCH_CPU") != "1"  # SYNK_BENCH_CPU=1: a dry run of the code on CPU workers
 D, H, L, C = 1024, 4096, 4, 10
 
@@ -40,20 +44,23 @@ def gpu_count() -> int:
 
 # --- 1. all_reduce ------------------------------------------------------------------------------
 
-def synk_all_reduce(n: int, nbytes: int, iters: int = 20) -> float:
+def synk_all_reduce(n: int, nbytes: int, iters: int = 50) -> float:
     import pytensor
 
     import synkhronos as synk
 
     synk.fork(n, use_gpu=USE_GPU)
     s = pytensor.shared(np.ones(nbytes // 4, dtype="float32"), name="big")
-    synk.function([], outputs=s[0])()
+    first = synk.function([], outputs=(s[0], "max"))
+    first()
     for _ in range(3):
         synk.all_reduce(s, op="sum")
+    first()
     t0 = time.perf_counter()
     for _ in range(iters):
-        synk.all_reduce(s, op="sum")
-    seconds = (time.perf_counter() - t0) / iters  # each call returns after its stream synchronised
+        synk.all_reduce(s, op="sum")  # returns once NCCL is queued
+    first()  # every rank reads s: waits for its last all-reduce
+    seconds = (time.perf_counter() - t0) / iters
     if os.environ.get("SYNK_BENCH_PROFILE"):
         import cProfile
         import pstats
@@ -217,7 +224,7 @@ def ddp_worker(rank: int, n: int, batches: list[int], path: str, q, steps: int =
     import torch.distributed as dist
     import torch.nn as nn
 
-    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = os.environ.get(PRECISION_ENV) != "highest"
     torch.cuda.set_device(rank)
     if n > 1:
         dist.init_process_group("nccl", init_method="file://" + path, rank=rank, world_size=n)
@@ -295,9 +302,38 @@ def gpu_name() -> str:
         return "GPU"
 
 
-def print_training_table(runs: dict[str, dict[int, float]], batches: list[int], counts: list[int]) -> None:
+@contextlib.contextmanager
+def matmul_precision(precision: str | None):
+    """Processes started in the body run matmuls at ``precision`` ("highest": strict float32)."""
+    saved = os.environ.get(PRECISION_ENV)
+    if precision is None:
+        os.environ.pop(PRECISION_ENV, None)
+    else:
+        os.environ[PRECISION_ENV] = precision
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(PRECISION_ENV, None)
+        else:
+            os.environ[PRECISION_ENV] = saved
+
+
+def training_runs(batches: list[int], counts: list[int], devices: list[str]) -> dict[str, dict[int, float]]:
+    """Every training configuration, each in a fresh process (its own GPU memory peak)."""
+    runs = {"plain_1": in_child(plain_worker, (batches,), devices[:1]) if USE_GPU else {}}
+    for k in counts:
+        runs[f"synk_{k}"] = in_child(synk_train_steps, (k, batches), devices) if USE_GPU else \
+            synk_train_steps(k, batches)
+        runs[f"ddp_{k}"] = ddp_steps(k, batches) if USE_GPU else {}
+        print(f"{k} GPU(s): " + ", ".join(f"{key} {v}" for key, v in runs.items()), flush=True)
+    return runs
+
+
+def print_training_table(runs: dict[str, dict[int, float]], batches: list[int], counts: list[int],
+                         precision: str) -> None:
     """Markdown: ms per step and scaling over 1 GPU, ours and DDP's, for every batch and GPU count."""
-    print(f"\n## training step (MLP {D}->{L}x{H}->{C}, float32, TF32 matmuls on both sides; ms per step)\n")
+    print(f"\n## training step (MLP {D}->{L}x{H}->{C}, float32, {precision} matmuls on both sides; ms per step)\n")
     head = ["global batch", "PyTensor JAX 1 GPU"]
     for k in counts:
         head += [f"ours {k}", f"DDP {k}", f"DDP {k} no per-step sync"]
@@ -429,17 +465,18 @@ def main() -> None:
 
     devices = visible_devices()
     counts = gpu_counts(n)
-    runs = {"plain_1": in_child(plain_worker, (batches,), devices[:1]) if USE_GPU else {}}
-    for k in counts:  # each in a fresh master: its own GPU memory peak
-        runs[f"synk_{k}"] = in_child(synk_train_steps, (k, batches), devices) if USE_GPU else \
-            synk_train_steps(k, batches)
-        runs[f"ddp_{k}"] = ddp_steps(k, batches) if USE_GPU else {}
-        print(f"{k} GPU(s): " + ", ".join(f"{key} {v}" for key, v in runs.items()), flush=True)
+    with matmul_precision(None):
+        runs = training_runs(batches, counts, devices)
     if not USE_GPU:
         print(runs)
         return
     results["train_step_s"] = runs
-    print_training_table(runs, batches, counts)
+    print_training_table(runs, batches, counts, "TF32")
+    strict_batches = [b for b in batches if b >= 8192]
+    with matmul_precision("highest"):
+        strict = training_runs(strict_batches, counts, devices)
+    results["train_step_s_strict_fp32"] = strict
+    print_training_table(strict, strict_batches, counts, "strict float32")
     with open(os.path.join(OUT, "bench_gpu.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     try:

@@ -87,3 +87,35 @@ def group_dispatch(group: Any) -> list[str]:
     expected = sum(range(1, group.size + 1))
     ok = isinstance(out, jax.Array) and np.allclose(np.asarray(out), expected)
     return [] if ok else [f"dispatch: {type(out).__name__} {np.asarray(out).tolist()}"]
+
+
+def jax_stream_order(group: Any) -> list[str]:
+    """JAX all-reduces return once queued, ordered on the GPU: an input still being computed, a
+    result read at once by a JAX program, in-place reductions chained on their own results, an
+    out-of-place input dropped right after the call -- every value as numpy computes it."""
+    import jax
+    import jax.numpy as jnp
+
+    wrong = []
+    n, r = group.size, group.rank
+    big = jnp.full((4096, 4096), 1.0 / 4096, jnp.float32)
+    slow = jax.jit(lambda a, v: (a @ a @ a @ a)[0, 0] * v)  # ~4 matmuls before v is written
+    ones = jnp.ones(1 << 20, jnp.float32)
+    pending = slow(big, ones * (r + 1))  # not ready when the all-reduce is queued
+    summed = group.all_reduce(pending, "sum")
+    doubled = jax.jit(lambda v: v * 2)(summed)  # reads the result at once
+    want = 2.0 * sum(range(1, n + 1)) * float(np.asarray(big @ big @ big @ big)[0, 0])
+    if not np.allclose(np.asarray(doubled), want, rtol=1e-4):
+        wrong.append(f"ordered read: got {np.asarray(doubled)[:3]} want {want}")
+    x = jnp.full(1 << 20, r + 1.0, jnp.float32)
+    for _ in range(5):  # in place, each on the result of the last
+        x = group.all_reduce(x, "max", out=x)
+    if not np.all(np.asarray(x) == n):
+        wrong.append(f"chained in place: got {np.asarray(x)[:3]} want {n}")
+    results = [group.all_reduce(jnp.full(1 << 18, float(k + r), jnp.float32), "sum") for k in range(8)]
+    for k, res in enumerate(results):  # inputs dropped by the caller while NCCL may still read them
+        expected = sum(k + q for q in range(n))
+        if not np.all(np.asarray(res) == expected):
+            wrong.append(f"dropped input {k}: got {np.asarray(res)[:3]} want {expected}")
+    group.nccl.synchronize()
+    return wrong

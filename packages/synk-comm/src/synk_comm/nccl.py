@@ -2,14 +2,23 @@
 
 Works on any array that exposes the CUDA Array Interface (CuPy, PyTorch) and on JAX arrays.
 JAX publishes the interface as version 2 and its DLPack export fails under nccl4py, so every
-buffer goes to NCCL through :class:`CudaBuffer`, a view whose ``__cuda_array_interface__`` is
-the array's own with ``version=3``.  JAX arrays are immutable: results land in a fresh buffer
-(:func:`empty_like`) that the collective returns -- except for ``all_reduce(x, out=x)``, which
-reduces in place, for callers that own ``x`` (synkhronos does, for a shared variable's value) --
-and the NCCL stream is synchronised before the result is handed back (JAX cannot be told to wait
-for another stream).  PyTorch tensors and CuPy arrays have streams of their own: NCCL runs on the
-framework's current stream and the call returns as soon as it is queued, as torch.distributed's
-collectives do; the framework's later work on that stream (and any read to the host) waits for it.
+buffer goes to NCCL through a view whose ``__cuda_array_interface__`` says ``version=3``
+(:class:`CudaBuffer`).  PyTorch tensors and CuPy arrays have streams of their own: NCCL runs on
+the framework's current stream and the call returns as soon as it is queued, as
+torch.distributed's collectives do; the framework's later work on that stream (and any read to
+the host) waits for it.
+
+JAX arrays are immutable, and JAX cannot be told to wait for a stream of ours.  ``all_reduce``
+therefore runs NCCL on the stream that JAX keeps for outside producers
+(:class:`JaxStream`): the input is exported through DLPack for that stream (the stream waits,
+on the GPU, until JAX has written it), and the result is imported back through DLPack from it
+(JAX's later programs that read the result wait, on the GPU, for NCCL).  The call returns once
+NCCL is queued, with a new ``jax.Array``; nothing waits on the host.  ``all_reduce(x, out=x)``
+reduces in x's memory (for callers that own ``x``: synkhronos does, for a shared variable's
+value) and returns the new array over it.  The other collectives on JAX arrays, and
+``all_reduce`` where JAX offers no such stream (its CPU backend, old versions), take the
+synchronous path: wait for the input, write a fresh buffer (:func:`empty_like`), synchronise
+the NCCL stream before returning.
 
 The communicator is built on first use: the master rank makes the unique id and the group's
 shared-memory broadcast carries it to the others.  Shapes that differ between ranks (gather,
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +41,7 @@ from synk_comm.ops import ReduceOp, as_op
 if TYPE_CHECKING:
     from synk_comm.group import Group
 
-__all__ = ["CudaBuffer", "NcclCollectives", "empty", "empty_like", "to_host"]
+__all__ = ["CudaBuffer", "JaxStream", "NcclCollectives", "empty", "empty_like", "to_host"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +57,79 @@ class CudaBuffer:
         cai["stream"] = None
         cai.setdefault("strides", None)
         self.__cuda_array_interface__ = cai
+
+
+class _Pointer:
+    """A CUDA Array Interface v3 view of a JAX array that does not wait for it (for NCCL work
+    queued on a stream that waits on the GPU instead, see :class:`JaxStream`)."""
+
+    def __init__(self, array: Any) -> None:
+        self.__cuda_array_interface__ = {"data": (array.unsafe_buffer_pointer(), False), "shape": tuple(array.shape),
+                                         "typestr": np.dtype(array.dtype).str, "version": 3, "stream": None,
+                                         "strides": None}
+
+
+class _Exported:
+    """A DLPack capsule that JAX exported, offered back to JAX for import."""
+
+    def __init__(self, capsule: Any, device: tuple[int, int]) -> None:
+        self._capsule = capsule
+        self._device = device
+
+    def __dlpack__(self, stream: Any = None, max_version: Any = None, **_: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._device
+
+
+class JaxStream:
+    """The stream on which a JAX GPU takes in outside work, and the DLPack round trip that orders
+    NCCL on JAX arrays by it instead of by host waits.
+
+    ``export(x)`` makes the stream wait (on the GPU) until JAX has written ``x`` and returns
+    NCCL's view of ``x`` and the DLPack capsule that keeps ``x``'s memory alive; ``adopt(capsule)``
+    imports that memory back as a new ``jax.Array`` whose readers wait for the work queued on the
+    stream so far.  An input's capsule that nothing adopts is held (:meth:`hold`) until the work
+    queued after it is done, so that JAX cannot reuse its memory while NCCL still reads it.
+    """
+
+    def __init__(self, device: Any) -> None:
+        from cuda.core import Stream
+
+        self.handle = int(device.get_stream_for_external_ready_events())
+        self.stream = Stream.from_handle(self.handle)
+        self._held: deque[tuple[Any, tuple[Any, ...]]] = deque()
+
+    @staticmethod
+    def open(array: Any) -> JaxStream | None:
+        """The stream of ``array``'s device, or None where JAX offers none (CPU backend)."""
+        try:
+            (device,) = array.devices()
+            return JaxStream(device) if device.platform == "gpu" else None
+        except Exception as exc:  # UNIMPLEMENTED, or a jax without the method
+            log.info("synk_comm: JAX offers no stream for outside work (%s); JAX arrays take the synchronous path",
+                     exc)
+            return None
+
+    def export(self, array: Any) -> tuple[_Pointer, Any]:
+        capsule = array.__dlpack__(stream=self.handle)
+        return _Pointer(array), capsule
+
+    def adopt(self, capsule: Any, like: Any) -> Any:
+        import jax
+
+        return jax.dlpack.from_dlpack(_Exported(capsule, like.__dlpack_device__()))
+
+    def hold(self, *objects: Any) -> None:
+        self._held.append((self.stream.record(), objects))
+        while self._held and self._held[0][0].is_done:
+            self._held.popleft()
+
+    def close(self) -> None:
+        """Wait for the queued work, then let go of what it read."""
+        self.stream.sync()
+        self._held.clear()
 
 
 def _framework(array: Any) -> str:
@@ -66,9 +149,7 @@ def empty(kind: str, shape: Sequence[int], dtype: Any, like: Any = None) -> Any:
     if kind == "jax":
         import jax.numpy as jnp
 
-        out = jnp.empty(shape, dtype=dtype)
-        out.block_until_ready()
-        return out
+        return jnp.empty(shape, dtype=dtype)
     if kind == "cupy":
         import cupy
 
@@ -120,15 +201,41 @@ class NcclCollectives(Collectives):
         self.comm = nc.Communicator.init(self.size, self.rank, uid)
         self._ops = {ReduceOp.SUM: nc.SUM, ReduceOp.PROD: nc.PROD, ReduceOp.MAX: nc.MAX, ReduceOp.MIN: nc.MIN,
                      ReduceOp.AVG: nc.AVG}
+        self._jax_stream: JaxStream | None = None
+        self._jax_looked = False  # whether JAX was asked for its stream (on the first JAX array)
         log.info("synk_comm: NCCL communicator ready in rank %d of %d", self.rank, self.size)
 
     def close(self) -> None:
         """Forget the communicator; the process's exit releases it (ncclCommDestroy can wait on
         peers that are already gone)."""
+        if self._jax_stream is not None:
+            self._jax_stream.close()
         self.comm = None
+
+    def _jax_ordered(self, array: Any) -> JaxStream | None:
+        """The stream that orders NCCL on JAX ``array`` without host waits, if JAX offers one."""
+        if _framework(array) != "jax":
+            return None
+        if not self._jax_looked:
+            self._jax_looked = True
+            self._jax_stream = JaxStream.open(array)
+        return self._jax_stream
 
     def _sync(self) -> None:
         self._stream.sync()
+
+    def synchronize(self) -> None:
+        """Wait until every collective queued so far has finished (JAX, PyTorch and CuPy arrays
+        alike), e.g. before timing or before reading a result through a pointer of your own."""
+        self._sync()
+        if self._jax_stream is not None:
+            self._jax_stream.close()
+        import sys
+
+        if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+            sys.modules["torch"].cuda.synchronize()
+        if "cupy" in sys.modules:
+            sys.modules["cupy"].cuda.get_current_stream().synchronize()
 
     def _stream_for(self, kind: str) -> tuple[Any, bool]:
         """Where NCCL runs for arrays of framework ``kind``, and whether that framework orders its
@@ -179,14 +286,30 @@ class NcclCollectives(Collectives):
         return out if self.rank == root else None
 
     def all_reduce(self, array: Any, op: ReduceOp | str = "sum", *, out: Any = None) -> Any:
-        stream, ordered = self._stream_for(_framework(array))
         rop = as_op(op, array.dtype)
         self._agree(array, "all_reduce")  # NCCL given different counts would hang or mix up data
+        jax_stream = self._jax_ordered(array)
+        if jax_stream is not None:
+            return self._jax_all_reduce(jax_stream, array, self._ops[rop], out)
+        stream, ordered = self._stream_for(_framework(array))
         if out is None:
             out = empty_like(array)
         self.comm.allreduce(CudaBuffer(array), CudaBuffer(out), self._ops[rop], stream=stream)
         self._done(ordered)
         return out
+
+    def _jax_all_reduce(self, jax_stream: JaxStream, array: Any, op: Any, out: Any) -> Any:
+        """All-reduce a JAX array on JAX's stream for outside work: returns as soon as NCCL is
+        queued, with a new array that JAX's later programs read after NCCL has written it."""
+        source, source_capsule = jax_stream.export(array)
+        if out is array:  # in place: the result is x's memory, imported back
+            self.comm.allreduce(source, source, op, stream=jax_stream.handle)
+            return jax_stream.adopt(source_capsule, array)
+        target = empty_like(array) if out is None else out
+        dest, dest_capsule = jax_stream.export(target)
+        self.comm.allreduce(source, dest, op, stream=jax_stream.handle)
+        jax_stream.hold(source_capsule)
+        return jax_stream.adopt(dest_capsule, target)
 
     def _agree(self, array: Any, what: str) -> None:
         """Every rank gives the same shape and dtype (else NCCL would hang or mix up bytes)."""
