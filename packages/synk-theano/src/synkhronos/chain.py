@@ -18,9 +18,9 @@ no pickling.  Every rank runs its share of ``first``, then all ranks meet at a b
 rank failed, every other rank stops there, so that none waits forever inside NCCL), all-reduce
 (NCCL in GPU mode; nothing with one rank), and run ``then``.
 
-On GPUs nothing waits that need not: the first call's outputs are not copied to the host until
-the all-reduce (which must wait for the gradient) is done, and ``then`` is queued behind the
-all-reduce without being waited for; the next command's work queues behind it on the same GPU.
+On GPUs nothing waits on the host: the all-reduce is queued behind the gradient and ``then``
+behind the all-reduce, each ordered on the GPU (:class:`synk_comm.nccl.JaxStream`); the first
+call's outputs are copied to the host last, and the next command's work queues behind ``then``.
 """
 
 from __future__ import annotations

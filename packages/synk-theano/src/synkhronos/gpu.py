@@ -4,7 +4,8 @@ Every rank sees one GPU (``CUDA_VISIBLE_DEVICES`` set at launch; rank ``r`` gets
 entry of the devices the master could see) and no XLA preallocation.  A shared variable lives on
 its rank's GPU as a ``jax.Array`` in its container (``set_value`` would copy it to the host);
 the compiled JAX functions read and update it there.  Collectives on shared variables go through
-NCCL; function outputs come back to the master as numpy through shared memory.
+NCCL; function outputs come back to the master as numpy, through shared memory or, when large,
+through NCCL (:mod:`synkhronos.outputs`).
 
 In the master, ``get_value()`` of a distributed shared variable returns numpy and
 ``set_value(v)`` puts ``v`` on the master's GPU (the variables' own methods are replaced for
