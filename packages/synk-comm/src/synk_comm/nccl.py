@@ -27,6 +27,7 @@ all_gather) are exchanged first through shared memory, so nothing is ever silent
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import zlib
 from collections import deque
@@ -59,12 +60,38 @@ class CudaBuffer:
         self.__cuda_array_interface__ = cai
 
 
-class _Pointer:
-    """A CUDA Array Interface v3 view of a JAX array that does not wait for it (for NCCL work
-    queued on a stream that waits on the GPU instead, see :class:`JaxStream`)."""
+class _DLTensor(ctypes.Structure):
+    """The head of DLPack's ``DLTensor`` (dlpack.h), up to the fields read here."""
 
-    def __init__(self, array: Any) -> None:
-        self.__cuda_array_interface__ = {"data": (array.unsafe_buffer_pointer(), False), "shape": tuple(array.shape),
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                ("lanes", ctypes.c_uint16), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_VERSIONED_HEAD = 32  # DLManagedTensorVersioned: version, manager_ctx, deleter, flags, then the DLTensor
+
+
+def capsule_address(capsule: Any) -> int:
+    """The device address of the data that a DLPack capsule describes (``data + byte_offset``)."""
+    name = _capsule_name(capsule)
+    head = _capsule_pointer(capsule, name)
+    tensor = _DLTensor.from_address(head + (_VERSIONED_HEAD if name == b"dltensor_versioned" else 0))
+    return int(tensor.data or 0) + int(tensor.byte_offset)
+
+
+class _Pointer:
+    """A CUDA Array Interface v3 view of the memory a DLPack capsule exports (for NCCL work queued
+    on a stream that waits for it on the GPU, see :class:`JaxStream`)."""
+
+    def __init__(self, capsule: Any, array: Any) -> None:
+        self.__cuda_array_interface__ = {"data": (capsule_address(capsule), False), "shape": tuple(array.shape),
                                          "typestr": np.dtype(array.dtype).str, "version": 3, "stream": None,
                                          "strides": None}
 
@@ -114,7 +141,7 @@ class JaxStream:
 
     def export(self, array: Any) -> tuple[_Pointer, Any]:
         capsule = array.__dlpack__(stream=self.handle)
-        return _Pointer(array), capsule
+        return _Pointer(capsule, array), capsule
 
     def adopt(self, capsule: Any, like: Any) -> Any:
         import jax
