@@ -114,7 +114,7 @@ def _gpu_row(group: synk_comm.Group, nbytes: int) -> dict[str, float | None]:
     x.block_until_ready()
     y.block_until_ready()
     row: dict[str, float | None] = {}
-    done = group.nccl.synchronize  # JAX all-reduces return once queued, on JAX's stream for outside work
+    done = group.nccl.synchronize  # nothing is left queued after a JAX call; kept for symmetry with torch
     row["synk"] = time_blocks(lambda: group.all_reduce(x, "sum"), done, group.barrier, iters)
     row["synk_inplace"] = time_blocks(lambda: group.all_reduce(y, "sum", out=y), done, group.barrier, iters)
     comm, stream = group.nccl.comm, group.nccl._stream

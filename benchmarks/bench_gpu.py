@@ -58,8 +58,8 @@ def synk_all_reduce(n: int, nbytes: int, iters: int = 50) -> float:
     first()
     t0 = time.perf_counter()
     for _ in range(iters):
-        synk.all_reduce(s, op="sum")  # returns once NCCL is queued
-    first()  # every rank reads s: waits for its last all-reduce
+        synk.all_reduce(s, op="sum")
+    first()  # every rank reads s (nothing left queued)
     seconds = (time.perf_counter() - t0) / iters
     if os.environ.get("SYNK_BENCH_PROFILE"):
         import cProfile

@@ -90,9 +90,10 @@ def group_dispatch(group: Any) -> list[str]:
 
 
 def jax_stream_order(group: Any) -> list[str]:
-    """JAX all-reduces return once queued, ordered on the GPU: an input still being computed, a
-    result read at once by a JAX program, in-place reductions chained on their own results, an
-    out-of-place input dropped right after the call -- every value as numpy computes it."""
+    """JAX all-reduces are queued behind the program that computes their input, on the GPU: an
+    input still being computed, a result read at once by a JAX program, in-place reductions
+    chained on their own results, out-of-place inputs dropped right after the call -- every value
+    as numpy computes it."""
     import jax
     import jax.numpy as jnp
 

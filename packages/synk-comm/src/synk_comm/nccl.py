@@ -9,16 +9,13 @@ torch.distributed's collectives do; the framework's later work on that stream (a
 the host) waits for it.
 
 JAX arrays are immutable, and JAX cannot be told to wait for a stream of ours.  ``all_reduce``
-therefore runs NCCL on the stream that JAX keeps for outside producers
-(:class:`JaxStream`): the input is exported through DLPack for that stream (the stream waits,
-on the GPU, until JAX has written it), and the result is imported back through DLPack from it
-(JAX's later programs that read the result wait, on the GPU, for NCCL).  The call returns once
-NCCL is queued, with a new ``jax.Array``; nothing waits on the host.  ``all_reduce(x, out=x)``
-reduces in x's memory (for callers that own ``x``: synkhronos does, for a shared variable's
-value) and returns the new array over it.  The other collectives on JAX arrays, and
-``all_reduce`` where JAX offers no such stream (its CPU backend, old versions), take the
-synchronous path: wait for the input, write a fresh buffer (:func:`empty_like`), synchronise
-the NCCL stream before returning.
+runs NCCL on the stream that JAX keeps for outside work (:class:`JaxStream`): the input is
+exported to it through DLPack, so NCCL is queued at once and starts, on the GPU, when JAX has
+written the input; the call returns once that stream has finished.  Results land in a fresh
+buffer (:func:`empty_like`) -- except for ``all_reduce(x, out=x)``, which reduces in x's memory,
+for callers that own ``x`` (synkhronos does, for a shared variable's value).  The other
+collectives on JAX arrays, and ``all_reduce`` where JAX offers no such stream (its CPU backend),
+wait for their input on the host and synchronise the NCCL stream before returning.
 
 The communicator is built on first use: the master rank makes the unique id and the group's
 shared-memory broadcast carries it to the others.  Shapes that differ between ranks (gather,
@@ -30,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import zlib
-from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -96,29 +92,14 @@ class _Pointer:
                                          "strides": None}
 
 
-class _Exported:
-    """A DLPack capsule that JAX exported, offered back to JAX for import."""
-
-    def __init__(self, capsule: Any, device: tuple[int, int]) -> None:
-        self._capsule = capsule
-        self._device = device
-
-    def __dlpack__(self, stream: Any = None, max_version: Any = None, **_: Any) -> Any:
-        return self._capsule
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return self._device
-
-
 class JaxStream:
-    """The stream on which a JAX GPU takes in outside work, and the DLPack round trip that orders
-    NCCL on JAX arrays by it instead of by host waits.
+    """The stream on which a JAX GPU takes in outside work: NCCL on JAX arrays runs there.
 
-    ``export(x)`` makes the stream wait (on the GPU) until JAX has written ``x`` and returns
-    NCCL's view of ``x`` and the DLPack capsule that keeps ``x``'s memory alive; ``adopt(capsule)``
-    imports that memory back as a new ``jax.Array`` whose readers wait for the work queued on the
-    stream so far.  An input's capsule that nothing adopts is held (:meth:`hold`) until the work
-    queued after it is done, so that JAX cannot reuse its memory while NCCL still reads it.
+    ``export(x)`` makes the stream wait, on the GPU, until JAX has written ``x`` (no host wait for
+    the program that computes it) and returns NCCL's view of ``x`` with the DLPack capsule that
+    keeps ``x``'s memory alive until the work is done (:meth:`sync`).  JAX itself cannot be told
+    to wait for this stream -- importing its own exported memory back gives its original buffer,
+    whose readers do not wait (measured on 2x H200: they read stale values) -- so the host waits.
     """
 
     def __init__(self, device: Any) -> None:
@@ -126,7 +107,6 @@ class JaxStream:
 
         self.handle = int(device.get_stream_for_external_ready_events())
         self.stream = Stream.from_handle(self.handle)
-        self._held: deque[tuple[Any, tuple[Any, ...]]] = deque()
 
     @staticmethod
     def open(array: Any) -> JaxStream | None:
@@ -143,20 +123,9 @@ class JaxStream:
         capsule = array.__dlpack__(stream=self.handle)
         return _Pointer(capsule, array), capsule
 
-    def adopt(self, capsule: Any, like: Any) -> Any:
-        import jax
-
-        return jax.dlpack.from_dlpack(_Exported(capsule, like.__dlpack_device__()))
-
-    def hold(self, *objects: Any) -> None:
-        self._held.append((self.stream.record(), objects))
-        while self._held and self._held[0][0].is_done:
-            self._held.popleft()
-
-    def close(self) -> None:
-        """Wait for the queued work, then let go of what it read."""
+    def sync(self) -> None:
+        """Wait until the work queued on the stream is done."""
         self.stream.sync()
-        self._held.clear()
 
 
 def _framework(array: Any) -> str:
@@ -235,8 +204,6 @@ class NcclCollectives(Collectives):
     def close(self) -> None:
         """Forget the communicator; the process's exit releases it (ncclCommDestroy can wait on
         peers that are already gone)."""
-        if self._jax_stream is not None:
-            self._jax_stream.close()
         self.comm = None
 
     def _jax_ordered(self, array: Any) -> JaxStream | None:
@@ -256,7 +223,7 @@ class NcclCollectives(Collectives):
         alike), e.g. before timing or before reading a result through a pointer of your own."""
         self._sync()
         if self._jax_stream is not None:
-            self._jax_stream.close()
+            self._jax_stream.sync()
         import sys
 
         if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
@@ -326,17 +293,17 @@ class NcclCollectives(Collectives):
         return out
 
     def _jax_all_reduce(self, jax_stream: JaxStream, array: Any, op: Any, out: Any) -> Any:
-        """All-reduce a JAX array on JAX's stream for outside work: returns as soon as NCCL is
-        queued, with a new array that JAX's later programs read after NCCL has written it."""
+        """All-reduce a JAX array on JAX's stream for outside work: NCCL is queued at once and
+        starts when JAX has written the input; returns when NCCL has finished."""
         source, source_capsule = jax_stream.export(array)
-        if out is array:  # in place: the result is x's memory, imported back
-            self.comm.allreduce(source, source, op, stream=jax_stream.handle)
-            return jax_stream.adopt(source_capsule, array)
-        target = empty_like(array) if out is None else out
-        dest, dest_capsule = jax_stream.export(target)
+        target, dest, dest_capsule = array, source, None
+        if out is not array:
+            target = empty_like(array) if out is None else out
+            dest, dest_capsule = jax_stream.export(target)
         self.comm.allreduce(source, dest, op, stream=jax_stream.handle)
-        jax_stream.hold(source_capsule)
-        return jax_stream.adopt(dest_capsule, target)
+        jax_stream.sync()
+        del source_capsule, dest_capsule  # JAX may reuse or free the memory from now on
+        return target
 
     def _agree(self, array: Any, what: str) -> None:
         """Every rank gives the same shape and dtype (else NCCL would hang or mix up bytes)."""
