@@ -312,8 +312,9 @@ def through_collectives(monkeypatch):
 
 @pytest.mark.parametrize("n_rows", [10, 7, 2, 1])
 def test_outputs_through_collectives_match_numpy(fns, ranks, n_rows, through_collectives):
-    """Every op, with uneven splits and ranks without rows (which contribute the op's identity,
-    or nothing to a gather), gives what the host path gives; CPU mode never takes this path."""
+    """Every reduce op, with uneven splits and ranks without rows (which contribute the op's
+    identity), gives what the host path gives; gathered outputs stay on the host path; CPU mode
+    never takes the collective path."""
     xd, yd = values(n_rows, seed=5)
     X, Y = synk.data(xd), synk.data(yd)
     expected = reference(xd, yd, ranks)
@@ -321,12 +322,14 @@ def test_outputs_through_collectives_match_numpy(fns, ranks, n_rows, through_col
     del through_collectives[:]
     for _ in range(2):
         assert_outputs(fns.f(X, Y), expected)
-    assert through_collectives == ([list(range(len(OPS)))] * 2 if current().device.use_gpu else [])
+    reduced = [i for i, op in enumerate(OPS) if op is not None]
+    assert through_collectives == ([reduced] * 2 if current().device.use_gpu else [])
 
 
 def test_outputs_through_collectives_mixed_with_host_outputs(ranks, through_collectives):
-    """An int avg stays on the host path (NCCL would average in integers) beside int outputs
-    that take the collective path; an output subset has its own history."""
+    """An int avg stays on the host path (NCCL would average in integers), as does a gathered
+    output, beside int outputs that take the collective path; an output subset has its own
+    history."""
     xi = pt.matrix("xi", dtype="int64")
     f = synk.function([xi], [(xi.sum(axis=0), "sum"), (xi.max(axis=0), "max"), (xi.min(axis=0), "min"),
                              xi.sum(axis=0), (xi * 2, None)])
@@ -340,8 +343,8 @@ def test_outputs_through_collectives_mixed_with_host_outputs(ranks, through_coll
         for g, e in zip(got, expected):
             np.testing.assert_allclose(g, e, rtol=1e-12)
         np.testing.assert_array_equal(f(X, output_subset=[4, 0])[0], xd * 2)
-    if current().device.use_gpu:  # calls 2 and 3 of each: all but the int avg
-        assert through_collectives == [[0, 1, 2, 4], [0, 1]] * 2
+    if current().device.use_gpu:  # calls 2 and 3 of each: all but the int avg and the gather
+        assert through_collectives == [[0, 1, 2], [1]] * 2
 
 
 def test_output_shapes_that_differ_between_ranks_raise_in_every_rank(ranks, through_collectives):

@@ -5,10 +5,18 @@ of two ways:
 
 * **host** (every small output, and every output in CPU mode): each rank copies its value to
   host memory and replies it through shared memory; the master combines the replies in numpy.
-* **collective** (GPU mode, outputs of at least :data:`MIN_BYTES`): the ranks reduce the value
-  (or gather it) into the master's GPU through NCCL, and only the master copies the result to
-  the host: one device-to-host copy of the result instead of one per rank, and no pass through
-  shared memory.  Under ``SYNK_EMULATE_GPUS`` the same steps run through the host collectives.
+* **collective** (GPU mode, outputs reduced by avg, sum, prod, max or min of at least
+  :data:`MIN_BYTES` per rank): the ranks reduce the value into the master's GPU through NCCL,
+  and only the master copies the result to the host: one device-to-host copy of the result
+  instead of one per rank, and no pass through shared memory.  Under ``SYNK_EMULATE_GPUS`` the
+  same steps run through the host collectives.  Gathered outputs always take the host path: the
+  master has to copy every rank's part to the host either way, and through NCCL it also receives
+  them all first (measured below).
+
+Measured on 2x H200 (``benchmarks/bench_gpu.py``, ms per call of a function with one float32
+output, host path / collective path): sum of 1 MiB per rank 1.50 / 1.69, 4 MiB 6.40 / 2.14,
+16 MiB 19.2 / 5.2, 128 MiB 232 / 104; gather of 1 MiB 1.59 / 3.68, 16 MiB 30.1 / 37.0, 128 MiB
+257 / 295.  Hence :data:`MIN_BYTES` = 2 MiB, and no gather through NCCL.
 
 The master chooses before the call, from the size each output had in the previous call of the
 same output subset (a first call takes the host path), and sends the choice with the command:
@@ -18,13 +26,10 @@ every rank must take the same path, or NCCL would wait forever.  :func:`choose` 
 A collective output combines as the host path would (the same weights, the same ranks left out):
 
 1. one small exchange of every rank's weight (its rows) and the shape of each such output; the
-   shapes must agree (the rows of a gathered output may differ), else every rank raises the same
-   ValueError before anything moves;
+   shapes must agree, else every rank raises the same ValueError before anything moves;
 2. ``avg``: each rank scales its value by ``w_r / sum(w)`` and the values are summed, giving
    ``sum_r w_r y_r / sum_r w_r``; ``sum``, ``prod``, ``max``, ``min``: NCCL's own op; a rank that
-   had no rows contributes the op's identity (0, 1, the lowest or the highest value);
-3. ``gather``: every rank's value goes to the master, which concatenates them on axis 0 (stacks
-   0-d values) in rank order, leaving out the ranks that had no rows.
+   had no rows contributes the op's identity (0, 1, the lowest or the highest value).
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ from synkhronos.runtime import Runtime
 
 __all__ = ["MIN_BYTES", "choose", "chosen", "reduce_on_device"]
 
-MIN_BYTES = 1 << 20
+MIN_BYTES = 2 << 20
 """Outputs at least this large (per rank, in the previous call) go through collectives in GPU
-mode; set it in the master to change the choice (0: every output, ``float("inf")``: none)."""
+mode; set it in the master to change the choice (0: every such output, ``float("inf")``: none)."""
 
 _NCCL_KINDS = "iuf"  # NCCL reduces signed and unsigned integers and floats (not bool or complex)
 _MAX_OUTPUTS = 63  # the choice travels as the bits of one int64 scratch slot
@@ -56,7 +61,8 @@ def choose(rt: Runtime, ops: Sequence[str], dtypes: Sequence[str], last_nbytes: 
     mask = 0
     for i, (op, dtype, nbytes) in enumerate(zip(ops, dtypes, last_nbytes)):
         kind = np.dtype(dtype).kind
-        if i < _MAX_OUTPUTS and nbytes >= MIN_BYTES and kind in _NCCL_KINDS and (op != "avg" or kind == "f"):
+        if (i < _MAX_OUTPUTS and op != "gather" and nbytes >= MIN_BYTES and kind in _NCCL_KINDS
+                and (op != "avg" or kind == "f")):
             mask |= 1 << i
     return mask
 
@@ -68,7 +74,7 @@ def chosen(mask: int, n_outputs: int) -> list[int]:
 
 def reduce_on_device(rt: Runtime, weight: float, outputs: Sequence[Any], ops: Sequence[str],
                      variables: Sequence[Any], mask: int) -> dict[int, np.ndarray]:
-    """Combine the outputs chosen by ``mask`` through collectives (every rank runs it).
+    """Reduce the outputs chosen by ``mask`` through collectives (every rank runs it).
 
     ``outputs``: this rank's values (empty when it had no rows); ``variables``: the output
     variables (their static ndim and dtype).  Returns, in the master, ``{position: combined
@@ -82,18 +88,10 @@ def reduce_on_device(rt: Runtime, weight: float, outputs: Sequence[Any], ops: Se
     results: dict[int, np.ndarray] = {}
     for i in positions:
         op, dtype = ops[i], np.dtype(variables[i].type.dtype)
-        seen = {r: shape for r in range(rt.size) if (shape := shapes[r][i]) is not None}
-        present = list(seen)
-        shape = common_shape(op, list(seen.values()), f"output {i}")
+        shape = common_shape(op, [s for r in range(rt.size) if (s := shapes[r][i]) is not None], f"output {i}")
         value = outputs[i] if outputs else _stand_in(rt, op, shape, dtype)
         if not rt.device.nccl_capable:
             value = np.asarray(value)
-        if op == "gather":
-            parts = rt.group.gather(value)
-            if parts is not None:
-                kept = [np.asarray(parts[r]) for r in present]
-                results[i] = np.stack(kept) if len(shape) == 0 else np.concatenate(kept, axis=0)
-            continue
         if op == "avg":
             value = value * np.asarray(weight / total, dtype=dtype)
         combined = rt.group.reduce(value, "sum" if op == "avg" else op)
@@ -122,11 +120,9 @@ def _exchange(rt: Runtime, weight: float, outputs: Sequence[Any], positions: lis
 
 
 def _stand_in(rt: Runtime, op: str, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    """What a rank without rows contributes: the op's identity (gather: a part the master drops)."""
-    if op == "gather":
-        shape = (0, *shape[1:]) if shape else ()
-        fill: Any = 0
-    elif op in ("avg", "sum"):
+    """What a rank without rows contributes: the op's identity."""
+    fill: Any
+    if op in ("avg", "sum"):
         fill = 0
     elif op == "prod":
         fill = 1
