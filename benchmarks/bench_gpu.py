@@ -123,9 +123,10 @@ def peak_gpu_bytes() -> int:
     return int(jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0))
 
 
-def synk_train_steps(n: int, batches: list[int], steps: int = 20) -> dict[int, float]:
-    """Seconds per step of ``synk_lasagne``'s training function (one chained command per step:
-    gradient into the flat vector, NCCL all-reduce, SGD update), data resident on the GPUs."""
+def synk_training(n: int, scattered: int) -> tuple[Any, list[Any]]:
+    """Fork ``n`` ranks and build ``synk_lasagne``'s training function of the MLP (one chained
+    command per step: gradient into the flat vector, NCCL all-reduce, SGD update) over
+    ``scattered`` random rows scattered into the ranks' memory; returns (train, params)."""
     import pytensor
 
     import synkhronos as synk
@@ -137,9 +138,17 @@ def synk_train_steps(n: int, batches: list[int], steps: int = 20) -> dict[int, f
     ys = pytensor.shared(np.zeros(0, dtype="int32"), name="ys")
     loss, params = mlp(xs, ys, rng)
     train = make_train_function(loss, params, [], updates.sgd, sliceable_shareds=[xs, ys], learning_rate=1e-3)
-    top = max(batches)
-    synk.scatter([xs, ys], [synk.data(rng.standard_normal((top, D)).astype("float32")),
-                            synk.data(rng.integers(0, C, top).astype("int32"))])
+    synk.scatter([xs, ys], [synk.data(rng.standard_normal((scattered, D)).astype("float32")),
+                            synk.data(rng.integers(0, C, scattered).astype("int32"))])
+    return train, params
+
+
+def synk_train_steps(n: int, batches: list[int], steps: int = 20) -> dict[int, float]:
+    """Seconds per step of ``synk_lasagne``'s training function (:func:`synk_training`), data
+    resident on the GPUs."""
+    import synkhronos as synk
+
+    train, params = synk_training(n, max(batches))
     times = {}
     for batch in batches:
         rows = slice(0, batch // n)

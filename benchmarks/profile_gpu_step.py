@@ -17,7 +17,7 @@ import os
 import time
 
 import numpy as np
-from bench_gpu import C, D, mlp  # the same MLP as the benchmark (scripts of one folder)
+from bench_gpu import C, D, mlp, synk_training  # the same MLP and step as the benchmark (one folder)
 
 
 def build(batch: int):
@@ -130,19 +130,9 @@ def synk_phases(n: int, batch: int, scattered: int, steps: int = 20) -> None:
     import cProfile
     import pstats
 
-    import pytensor
-
     import synkhronos as synk
-    from synk_lasagne import make_train_function, updates
 
-    synk.fork(n, use_gpu=True)
-    rng = np.random.default_rng(0)
-    xs = pytensor.shared(np.zeros((0, D), dtype="float32"), name="xs")
-    ys = pytensor.shared(np.zeros(0, dtype="int32"), name="ys")
-    loss, params = mlp(xs, ys, rng)
-    train = make_train_function(loss, params, [], updates.sgd, sliceable_shareds=[xs, ys], learning_rate=1e-3)
-    synk.scatter([xs, ys], [synk.data(rng.standard_normal((scattered, D)).astype("float32")),
-                            synk.data(rng.integers(0, C, scattered).astype("int32"))])
+    train, params = synk_training(n, scattered)
     rows = slice(0, batch // n)
 
     def done() -> None:
