@@ -120,3 +120,48 @@ def jax_stream_order(group: Any) -> list[str]:
             wrong.append(f"dropped input {k}: got {np.asarray(res)[:3]} want {expected}")
     group.nccl.synchronize()
     return wrong
+
+
+def jax_result_memory(group: Any) -> list[str]:
+    """Results live in synk_comm's memory, reused once JAX lets go of it: a result dropped while a
+    slow JAX program still reads it keeps its value for that program; a loop of all-reduces runs
+    in a few buffers; a result handed on to another JAX program and dropped stays correct."""
+    import jax
+    import jax.numpy as jnp
+
+    wrong = []
+    n, r = group.size, group.rank
+    total = sum(range(1, n + 1))
+    big = jnp.full((4096, 4096), 1.0 / 4096, jnp.float32)
+    c = float(np.asarray(big @ big @ big @ big)[0, 0])
+    slow_read = jax.jit(lambda a, v: (a @ a @ a @ a)[0, 0] * v)  # reads v after ~4 matmuls
+    late = []
+    for k in range(6):  # each result dropped at once; the next all-reduce wants memory of its size
+        res = group.all_reduce(jnp.full(1 << 20, float(r + 1 + k), jnp.float32), "sum")
+        late.append(slow_read(big, res))
+        del res
+    for k, value in enumerate(late):
+        want = (total + n * k) * c
+        if not np.allclose(np.asarray(value), want, rtol=1e-4):
+            wrong.append(f"read after drop {k}: got {np.asarray(value)[:3]} want {want}")
+    addresses = set()
+    g = jnp.full(1 << 20, float(r), jnp.float32)
+    for _ in range(20):  # a training loop's shape: reduce, use, drop
+        res = group.all_reduce(g, "avg")
+        addresses.add(res.unsafe_buffer_pointer())
+        g = res * 0 + float(r)
+    if len(addresses) > 4:
+        wrong.append(f"20 all-reduces of one size used {len(addresses)} buffers (expected reuse)")
+    if not np.allclose(np.asarray(res), (n - 1) / 2):
+        wrong.append(f"loop result {np.asarray(res)[:3]} want {(n - 1) / 2}")
+    for dtype in ("float16", "int32", "float32"):
+        x = jnp.full((3, 5), r + 1, dtype)
+        res = group.all_reduce(x, "sum")
+        if res.dtype != x.dtype or res.shape != x.shape or not np.all(np.asarray(res, np.float64) == total):
+            wrong.append(f"{dtype}: got {res.dtype} {res.shape} {np.asarray(res, np.float64).ravel()[:3]}")
+    scalar = group.all_reduce(jnp.float32(r + 1), "max")
+    if scalar.shape != () or float(scalar) != n:
+        wrong.append(f"scalar: got {scalar!r}")
+    group.nccl.synchronize()
+    return wrong
+

@@ -46,7 +46,6 @@ def test_group_methods_dispatch_device_arrays_to_nccl() -> None:
     assert not [w for rank_wrong in results for w in rank_wrong]
 
 
-
 def test_jax_all_reduce_is_ordered_on_the_gpu_without_host_waits() -> None:
     if importlib.util.find_spec("jax") is None:
         pytest.skip("jax not installed")
@@ -54,3 +53,13 @@ def test_jax_all_reduce_is_ordered_on_the_gpu_without_host_waits() -> None:
     results = synk_comm.spawn(comm_gpu.jax_stream_order, n, devices=list(range(n)))
     wrong = [w for rank_wrong in results for w in rank_wrong]
     assert not wrong, "\n".join(wrong)
+
+
+def test_jax_results_reuse_memory_only_after_jax_is_done_with_it() -> None:
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("jax not installed")
+    n = min(_gpu_count(), 8)
+    results = synk_comm.spawn(comm_gpu.jax_result_memory, n, devices=list(range(n)))
+    wrong = [w for rank_wrong in results for w in rank_wrong]
+    assert not wrong, "\n".join(wrong)
+

@@ -9,13 +9,14 @@ torch.distributed's collectives do; the framework's later work on that stream (a
 the host) waits for it.
 
 JAX arrays are immutable, and JAX cannot be told to wait for a stream of ours.  ``all_reduce``
-runs NCCL on the stream that JAX keeps for outside work (:class:`JaxStream`): the input is
-exported to it through DLPack, so NCCL is queued at once and starts, on the GPU, when JAX has
-written the input; the call returns once that stream has finished.  Results land in a fresh
-buffer (:func:`empty_like`) -- except for ``all_reduce(x, out=x)``, which reduces in x's memory,
-for callers that own ``x`` (synkhronos does, for a shared variable's value).  The other
-collectives on JAX arrays, and ``all_reduce`` where JAX offers no such stream (its CPU backend),
-wait for their input on the host and synchronise the NCCL stream before returning.
+runs NCCL on the stream that JAX keeps for outside work (:mod:`synk_comm.jax_stream`): the input
+is exported to it through DLPack, so NCCL is queued at once and starts, on the GPU, when JAX has
+written the input; the result lives in memory of synk_comm's, handed to JAX through DLPack with
+its ready event after NCCL, so the call returns at once and JAX's readers wait on the GPU.
+``all_reduce(x, out=y)`` writes into a JAX array's own memory instead, for callers that own
+``y``, and waits for NCCL on the host (JAX's readers of ``y`` would not).  The other collectives
+on JAX arrays, and ``all_reduce`` where JAX offers no such stream (its CPU backend), wait for
+their input on the host and synchronise the NCCL stream before returning.
 
 The communicator is built on first use: the master rank makes the unique id and the group's
 shared-memory broadcast carries it to the others.  Shapes that differ between ranks (gather,
@@ -24,7 +25,6 @@ all_gather) are exchanged first through shared memory, so nothing is ever silent
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import zlib
 from collections.abc import Sequence
@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from synk_comm.collectives import Collectives
+from synk_comm.jax_stream import JaxStream
 from synk_comm.ops import ReduceOp, as_op
 
 if TYPE_CHECKING:
     from synk_comm.group import Group
 
-__all__ = ["CudaBuffer", "JaxStream", "NcclCollectives", "empty", "empty_like", "to_host"]
+__all__ = ["CudaBuffer", "NcclCollectives", "empty", "empty_like", "to_host"]
 
 log = logging.getLogger(__name__)
 
@@ -54,78 +55,6 @@ class CudaBuffer:
         cai["stream"] = None
         cai.setdefault("strides", None)
         self.__cuda_array_interface__ = cai
-
-
-class _DLTensor(ctypes.Structure):
-    """The head of DLPack's ``DLTensor`` (dlpack.h), up to the fields read here."""
-
-    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
-                ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
-                ("lanes", ctypes.c_uint16), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-                ("byte_offset", ctypes.c_uint64)]
-
-
-_capsule_name = ctypes.pythonapi.PyCapsule_GetName
-_capsule_name.restype = ctypes.c_char_p
-_capsule_name.argtypes = [ctypes.py_object]
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_VERSIONED_HEAD = 32  # DLManagedTensorVersioned: version, manager_ctx, deleter, flags, then the DLTensor
-
-
-def capsule_address(capsule: Any) -> int:
-    """The device address of the data that a DLPack capsule describes (``data + byte_offset``)."""
-    name = _capsule_name(capsule)
-    head = _capsule_pointer(capsule, name)
-    tensor = _DLTensor.from_address(head + (_VERSIONED_HEAD if name == b"dltensor_versioned" else 0))
-    return int(tensor.data or 0) + int(tensor.byte_offset)
-
-
-class _Pointer:
-    """A CUDA Array Interface v3 view of the memory a DLPack capsule exports (for NCCL work queued
-    on a stream that waits for it on the GPU, see :class:`JaxStream`)."""
-
-    def __init__(self, capsule: Any, array: Any) -> None:
-        self.__cuda_array_interface__ = {"data": (capsule_address(capsule), False), "shape": tuple(array.shape),
-                                         "typestr": np.dtype(array.dtype).str, "version": 3, "stream": None,
-                                         "strides": None}
-
-
-class JaxStream:
-    """The stream on which a JAX GPU takes in outside work: NCCL on JAX arrays runs there.
-
-    ``export(x)`` makes the stream wait, on the GPU, until JAX has written ``x`` (no host wait for
-    the program that computes it) and returns NCCL's view of ``x`` with the DLPack capsule that
-    keeps ``x``'s memory alive until the work is done (:meth:`sync`).  JAX itself cannot be told
-    to wait for this stream -- importing its own exported memory back gives its original buffer,
-    whose readers do not wait (measured on 2x H200: they read stale values) -- so the host waits.
-    """
-
-    def __init__(self, device: Any) -> None:
-        from cuda.core import Stream
-
-        self.handle = int(device.get_stream_for_external_ready_events())
-        self.stream = Stream.from_handle(self.handle)
-
-    @staticmethod
-    def open(array: Any) -> JaxStream | None:
-        """The stream of ``array``'s device, or None where JAX offers none (CPU backend)."""
-        try:
-            (device,) = array.devices()
-            return JaxStream(device) if device.platform == "gpu" else None
-        except Exception as exc:  # UNIMPLEMENTED, or a jax without the method
-            log.info("synk_comm: JAX offers no stream for outside work (%s); JAX arrays take the synchronous path",
-                     exc)
-            return None
-
-    def export(self, array: Any) -> tuple[_Pointer, Any]:
-        capsule = array.__dlpack__(stream=self.handle)
-        return _Pointer(capsule, array), capsule
-
-    def sync(self) -> None:
-        """Wait until the work queued on the stream is done."""
-        self.stream.sync()
 
 
 def _framework(array: Any) -> str:
@@ -203,8 +132,14 @@ class NcclCollectives(Collectives):
 
     def close(self) -> None:
         """Forget the communicator; the process's exit releases it (ncclCommDestroy can wait on
-        peers that are already gone)."""
+        peers that are already gone), after giving JAX results' spare memory back."""
         self.comm = None
+        if self._jax_stream is not None:
+            try:
+                self._jax_stream.close()
+            except Exception as exc:  # a broken device: nothing more to give back
+                log.warning("synk_comm: closing JAX's NCCL stream failed: %s", exc)
+            self._jax_stream = None
 
     def _jax_ordered(self, array: Any) -> JaxStream | None:
         """The stream that orders NCCL on JAX ``array`` without host waits, if JAX offers one."""
@@ -294,16 +229,20 @@ class NcclCollectives(Collectives):
 
     def _jax_all_reduce(self, jax_stream: JaxStream, array: Any, op: Any, out: Any) -> Any:
         """All-reduce a JAX array on JAX's stream for outside work: NCCL is queued at once and
-        starts when JAX has written the input; returns when NCCL has finished."""
+        starts when JAX has written the input.  A new result returns at once, in memory that JAX
+        reads after NCCL; a result written into a JAX array (``out``) is waited for."""
         source, source_capsule = jax_stream.export(array)
-        target, dest, dest_capsule = array, source, None
-        if out is not array:
-            target = empty_like(array) if out is None else out
-            dest, dest_capsule = jax_stream.export(target)
-        self.comm.allreduce(source, dest, op, stream=jax_stream.handle)
-        jax_stream.sync()
-        del source_capsule, dest_capsule  # JAX may reuse or free the memory from now on
-        return target
+        if out is None:
+            shape = tuple(array.shape)
+            dest, buffer = jax_stream.result(shape, array.dtype)
+            self.comm.allreduce(source, dest, op, stream=jax_stream.handle)
+            jax_stream.hold(source_capsule)  # JAX may not reuse the input's memory before NCCL is done
+            return jax_stream.to_jax(buffer, shape, array.dtype)
+        target, target_capsule = (source, None) if out is array else jax_stream.export(out)
+        self.comm.allreduce(source, target, op, stream=jax_stream.handle)
+        jax_stream.sync()  # JAX's readers of its own memory do not wait for our stream
+        del source_capsule, target_capsule
+        return out
 
     def _agree(self, array: Any, what: str) -> None:
         """Every rank gives the same shape and dtype (else NCCL would hang or mix up bytes)."""

@@ -404,9 +404,10 @@ def _all_reduce(rt: Runtime, variables: list[Any], op: str, nccl: bool) -> None:
     _agree_on_shapes(rt, variables, "all_reduce")
     for var in variables:
         value = _value(rt, var, nccl)
-        # In place where the value is the variable's own buffer, referenced by nothing else; the
-        # host copy of a device value (GPU mode, host path) is read-only: reduce into a new array.
-        in_place = not isinstance(value, np.ndarray) or value.flags.writeable
+        # In place where the value is the variable's own numpy buffer, referenced by nothing
+        # else.  A device value (JAX) reduces into a new array, which NCCL returns without
+        # waiting (JAX's readers wait on the GPU); the host copy of a device value is read-only.
+        in_place = isinstance(value, np.ndarray) and value.flags.writeable
         result = rt.group.all_reduce(value, op, out=value if in_place else None)
         if result is not value:
             rt.device.set(var, result)

@@ -1,0 +1,84 @@
+"""``synk_comm.dlpack`` on host memory, with numpy as the other side of the protocol: the same
+structures carry NCCL's results to JAX on a GPU (tests in ``test_comm_gpu.py``)."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import numpy as np
+import pytest
+
+from synk_comm.dlpack import DEVICE_CPU, Exported, capsule_address
+
+
+def _owned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Memory that outlives every import (the test's stand-in for a device buffer of ours)."""
+    return np.zeros(shape, dtype=dtype)
+
+
+def _export(memory: np.ndarray, released: list[int], ready: Any = None) -> Exported:
+    return Exported(memory.ctypes.data, memory.shape, memory.dtype, (DEVICE_CPU, 0),
+                    release=lambda: released.append(1), ready=ready)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int8", "int64", "uint16", "bool", "complex64"])
+@pytest.mark.parametrize("shape", [(3, 4), (7,), (), (2, 0, 3)])
+def test_numpy_imports_the_memory_in_place(dtype: str, shape: tuple[int, ...]) -> None:
+    memory = _owned(shape, dtype)
+    memory[...] = (np.arange(memory.size) % 2).reshape(shape)
+    released: list[int] = []
+    view = np.from_dlpack(_export(memory, released))
+    assert view.dtype == memory.dtype and view.shape == memory.shape
+    np.testing.assert_array_equal(view, memory)
+    if memory.size:
+        memory.flat[0] = 1 - memory.flat[0]
+        assert view.flat[0] == memory.flat[0], "the import is a copy, not the memory itself"
+    assert released == []
+    del view
+    gc.collect()
+    assert released == [1]
+
+
+def test_an_unconsumed_capsule_releases_the_memory_when_dropped() -> None:
+    released: list[int] = []
+    capsule = _export(_owned((4,), "float32"), released).__dlpack__()
+    assert released == []
+    del capsule
+    gc.collect()
+    assert released == [1]
+
+
+def test_memory_is_offered_once() -> None:
+    released: list[int] = []
+    exported = _export(_owned((2,), "float32"), released)
+    first = np.from_dlpack(exported)
+    with pytest.raises(BufferError, match="offered once"):
+        exported.__dlpack__()
+    with pytest.raises(BufferError, match="never a copy"):
+        _export(_owned((2,), "float32"), released).__dlpack__(copy=True)
+    del first
+    gc.collect()
+    assert released == [1]
+
+
+def test_ready_runs_with_the_consumers_stream_before_the_capsule_is_made() -> None:
+    streams: list[Any] = []
+    released: list[int] = []
+    capsule = _export(_owned((2,), "int32"), released, ready=streams.append).__dlpack__(stream=None)
+    assert streams == [None]
+    del capsule
+    gc.collect()
+    assert released == [1]
+
+
+def test_types_dlpack_cannot_carry_are_refused() -> None:
+    with pytest.raises(TypeError, match="DLPack has no type"):
+        _export(_owned((2,), "U3"), []).__dlpack__()
+
+
+@pytest.mark.parametrize("max_version", [None, (1, 0)])
+def test_capsule_address_reads_a_producers_capsule(max_version: Any) -> None:
+    array = np.arange(10, dtype=np.float64)[3:]  # an offset into a larger buffer
+    capsule = array.__dlpack__() if max_version is None else array.__dlpack__(max_version=max_version)
+    assert capsule_address(capsule) == array.ctypes.data
