@@ -49,50 +49,64 @@ class CudaPointer:
 class Results:
     """Device memory for results handed to JAX, reused once JAX is done with it.
 
-    Memory is kept by size in bytes: a training step all-reduces the same gradients every time,
-    so a few buffers serve every step.  At most ``keep`` free buffers of each size are kept; the
-    rest go back to CUDA's memory pool, in the stream's order.
+    Memory comes from CUDA's stream-ordered pool and is kept by size in bytes: a training step
+    all-reduces the same gradients every time, so a few buffers serve every step.  At most
+    ``keep`` free buffers of each size are kept; the rest go back to the pool in the stream's
+    order.  Memory that JAX still holds when the process exits is left to the exit.
     """
 
-    keep = 2
+    keep = 4
 
     def __init__(self, stream: JaxStream) -> None:
         self._stream = stream
-        self._free: dict[int, list[Any]] = {}
-        self._retired: collections.deque[Any] = collections.deque()  # appended by JAX's deleters
+        self._free: dict[int, list[int]] = {}  # size in bytes -> addresses
+        self._retired: collections.deque[tuple[int, int]] = collections.deque()  # appended by JAX's deleters
+        self.allocations = 0  # how many times memory came from CUDA (for tests and benchmarks)
 
-    def take(self, nbytes: int) -> Any:
-        """A buffer of ``nbytes`` that ``stream`` may write from now on."""
+    def take(self, nbytes: int) -> int:
+        """The address of ``nbytes`` that the stream may write from now on."""
         if self._retired:
             self._recycle()
         bucket = self._free.get(nbytes)
         if bucket:
             return bucket.pop()
-        return self._stream.cuda_device.allocate(max(1, nbytes), stream=self._stream.stream)
+        self.allocations += 1
+        return _cuda_call("cuMemAllocAsync", max(1, nbytes), self._stream.handle)
 
-    def retire(self, buffer: Any) -> None:
-        """JAX has let go of ``buffer`` (its DLPack deleter: any thread)."""
-        self._retired.append(buffer)
+    def retire(self, address: int, nbytes: int) -> None:
+        """JAX has let go of the memory at ``address`` (its DLPack deleter: any thread)."""
+        self._retired.append((address, nbytes))
 
     def _recycle(self) -> None:
-        """Order the stream after every JAX program queued so far, then free the retired buffers."""
+        """Order the stream after every JAX program queued so far, then free the retired memory."""
         self._stream.after_jax()
         while self._retired:
-            buffer = self._retired.popleft()
-            bucket = self._free.setdefault(buffer.size, [])
+            address, nbytes = self._retired.popleft()
+            bucket = self._free.setdefault(nbytes, [])
             if len(bucket) < self.keep:
-                bucket.append(buffer)
+                bucket.append(address)
             else:
-                buffer.close(self._stream.stream)
+                _cuda_call("cuMemFreeAsync", address, self._stream.handle)
 
     def close(self) -> None:
         """Give every free and retired buffer back to CUDA (results JAX still holds stay valid)."""
         self._stream.after_jax()
-        buffers = [b for bucket in self._free.values() for b in bucket] + list(self._retired)
+        addresses = [a for bucket in self._free.values() for a in bucket] + [a for a, _ in self._retired]
         self._free.clear()
         self._retired.clear()
-        for buffer in buffers:
-            buffer.close(self._stream.stream)
+        for address in addresses:
+            _cuda_call("cuMemFreeAsync", address, self._stream.handle)
+
+
+def _cuda_call(name: str, *args: Any) -> Any:
+    """Call a CUDA driver function of cuda.bindings; its value, or RuntimeError naming the error."""
+    from cuda.bindings import driver
+
+    err, *value = getattr(driver, name)(*args)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        hint = " (out of GPU memory: free device arrays, or use smaller ones)" if "Alloc" in name else ""
+        raise RuntimeError(f"synk_comm: {name}{args} failed: {err.name}{hint}")
+    return int(value[0]) if value else None
 
 
 class JaxStream:
@@ -105,13 +119,13 @@ class JaxStream:
     """
 
     def __init__(self, device: Any) -> None:
-        from cuda.core import Device, Stream
+        from cuda.core import Stream
 
         self.handle = int(device.get_stream_for_external_ready_events())
         self.stream = Stream.from_handle(self.handle)
         self.device_id = int(device.local_hardware_id)
-        self.cuda_device = Device(self.device_id)
         self.results = Results(self)
+        self.depth = 2
         self._held: collections.deque[tuple[Any, tuple[Any, ...]]] = collections.deque()
         self._tick: Any = None
 
@@ -133,27 +147,27 @@ class JaxStream:
         return CudaPointer(capsule_address(capsule), tuple(array.shape), array.dtype), capsule
 
     def hold(self, *objects: Any) -> None:
-        """Keep ``objects`` (capsules, arrays) alive until the stream has passed this point."""
-        self._release_passed()
+        """Keep ``objects`` (capsules, arrays) alive until the stream has passed this point.  At
+        most ``depth`` points are pending: beyond that the host waits for the oldest, so that a
+        host far ahead of the GPU does not pile up inputs and results in memory."""
+        while self._held and (self._held[0][0].is_done or len(self._held) >= self.depth):
+            event, _ = self._held.popleft()
+            event.sync()
         self._held.append((self.stream.record(), objects))
 
-    def _release_passed(self) -> None:
-        while self._held and self._held[0][0].is_done:
-            self._held.popleft()
+    def result(self, shape: tuple[int, ...], dtype: Any) -> tuple[CudaPointer, int]:
+        """Memory for a result that the stream writes next: NCCL's view of it, and its address."""
+        address = self.results.take(math.prod(shape) * np.dtype(dtype).itemsize)
+        return CudaPointer(address, shape, dtype), address
 
-    def result(self, shape: tuple[int, ...], dtype: Any) -> tuple[CudaPointer, Any]:
-        """Memory for a result that the stream writes next, as NCCL's view and the buffer."""
-        buffer = self.results.take(math.prod(shape) * np.dtype(dtype).itemsize)
-        return CudaPointer(int(buffer.handle), shape, dtype), buffer
-
-    def to_jax(self, buffer: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-        """The JAX array of ``buffer`` after the work queued so far on the stream: JAX's readers
-        wait for it on the GPU."""
+    def to_jax(self, address: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The JAX array of the memory at ``address`` after the work queued so far on the
+        stream: JAX's readers wait for it on the GPU."""
         import jax
 
-        results = self.results
-        exported = Exported(int(buffer.handle), shape, dtype, (DEVICE_CUDA, self.device_id),
-                            release=lambda: results.retire(buffer), ready=self._ready_for)
+        results, nbytes = self.results, math.prod(shape) * np.dtype(dtype).itemsize
+        exported = Exported(address, shape, dtype, (DEVICE_CUDA, self.device_id),
+                            release=lambda: results.retire(address, nbytes), ready=self._ready_for)
         return jax.dlpack.from_dlpack(exported)
 
     def _ready_for(self, consumer: int | None) -> None:

@@ -234,10 +234,10 @@ class NcclCollectives(Collectives):
         source, source_capsule = jax_stream.export(array)
         if out is None:
             shape = tuple(array.shape)
-            dest, buffer = jax_stream.result(shape, array.dtype)
+            dest, address = jax_stream.result(shape, array.dtype)
             self.comm.allreduce(source, dest, op, stream=jax_stream.handle)
             jax_stream.hold(source_capsule)  # JAX may not reuse the input's memory before NCCL is done
-            return jax_stream.to_jax(buffer, shape, array.dtype)
+            return jax_stream.to_jax(address, shape, array.dtype)
         target, target_capsule = (source, None) if out is array else jax_stream.export(out)
         self.comm.allreduce(source, target, op, stream=jax_stream.handle)
         jax_stream.sync()  # JAX's readers of its own memory do not wait for our stream
