@@ -17,64 +17,78 @@ def _owned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return np.zeros(shape, dtype=dtype)
 
 
-def _export(memory: np.ndarray, released: list[int], ready: Any = None) -> Exported:
-    return Exported(memory.ctypes.data, memory.shape, memory.dtype, (DEVICE_CPU, 0),
-                    release=lambda: released.append(1), ready=ready)
+def _export(memory: np.ndarray, ready: Any = None) -> Exported:
+    return Exported(memory.ctypes.data, memory.shape, memory.dtype, (DEVICE_CPU, 0), ready=ready)
 
 
+class _Unversioned:
+    """A consumer's view of a producer from before DLPack 1.0 (no ``max_version``)."""
+
+    def __init__(self, exported: Exported) -> None:
+        self.exported = exported
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.exported.__dlpack_device__()
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        return self.exported.__dlpack__(stream=stream)
+
+
+@pytest.mark.parametrize("versioned", [True, False], ids=["dlpack1", "unversioned"])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int8", "int64", "uint16", "bool", "complex64"])
 @pytest.mark.parametrize("shape", [(3, 4), (7,), (), (2, 0, 3)])
-def test_numpy_imports_the_memory_in_place(dtype: str, shape: tuple[int, ...]) -> None:
+def test_numpy_imports_the_memory_in_place(dtype: str, shape: tuple[int, ...], versioned: bool) -> None:
     memory = _owned(shape, dtype)
     memory[...] = (np.arange(memory.size) % 2).reshape(shape)
-    released: list[int] = []
-    view = np.from_dlpack(_export(memory, released))
+    exported = _export(memory)
+    view = np.from_dlpack(exported if versioned else _Unversioned(exported))
     assert view.dtype == memory.dtype and view.shape == memory.shape
     np.testing.assert_array_equal(view, memory)
     if memory.size:
         memory.flat[0] = 1 - memory.flat[0]
         assert view.flat[0] == memory.flat[0], "the import is a copy, not the memory itself"
-    assert released == []
+    assert not exported.released
     del view
     gc.collect()
-    assert released == [1]
+    assert exported.released
 
 
-def test_an_unconsumed_capsule_releases_the_memory_when_dropped() -> None:
-    released: list[int] = []
-    capsule = _export(_owned((4,), "float32"), released).__dlpack__()
-    assert released == []
+@pytest.mark.parametrize("max_version", [None, (1, 0)])
+def test_an_unconsumed_capsule_releases_the_memory_when_dropped(max_version: Any) -> None:
+    exported = _export(_owned((4,), "float32"))
+    assert not exported.released
+    capsule = exported.__dlpack__(max_version=max_version)
+    assert not exported.released
     del capsule
     gc.collect()
-    assert released == [1]
+    assert exported.released
 
 
 def test_memory_is_offered_once() -> None:
-    released: list[int] = []
-    exported = _export(_owned((2,), "float32"), released)
+    exported = _export(_owned((2,), "float32"))
     first = np.from_dlpack(exported)
     with pytest.raises(BufferError, match="offered once"):
         exported.__dlpack__()
     with pytest.raises(BufferError, match="never a copy"):
-        _export(_owned((2,), "float32"), released).__dlpack__(copy=True)
+        _export(_owned((2,), "float32")).__dlpack__(copy=True)
     del first
     gc.collect()
-    assert released == [1]
+    assert exported.released
 
 
 def test_ready_runs_with_the_consumers_stream_before_the_capsule_is_made() -> None:
     streams: list[Any] = []
-    released: list[int] = []
-    capsule = _export(_owned((2,), "int32"), released, ready=streams.append).__dlpack__(stream=None)
+    exported = _export(_owned((2,), "int32"), ready=streams.append)
+    capsule = exported.__dlpack__(stream=None)
     assert streams == [None]
     del capsule
     gc.collect()
-    assert released == [1]
+    assert exported.released
 
 
 def test_types_dlpack_cannot_carry_are_refused() -> None:
     with pytest.raises(TypeError, match="DLPack has no type"):
-        _export(_owned((2,), "U3"), []).__dlpack__()
+        _export(_owned((2,), "U3")).__dlpack__()
 
 
 @pytest.mark.parametrize("max_version", [None, (1, 0)])

@@ -60,11 +60,13 @@ class Results:
     def __init__(self, stream: JaxStream) -> None:
         self._stream = stream
         self._free: dict[int, list[int]] = {}  # size in bytes -> addresses
-        self._retired: collections.deque[tuple[int, int]] = collections.deque()  # appended by JAX's deleters
+        self._lent: list[tuple[Exported, int, int]] = []  # results JAX may hold: (export, address, size)
+        self._retired: list[tuple[int, int]] = []  # let go of by JAX, not yet ordered after its readers
         self.allocations = 0  # how many times memory came from CUDA (for tests and benchmarks)
 
     def take(self, nbytes: int) -> int:
         """The address of ``nbytes`` that the stream may write from now on."""
+        self._collect()
         if self._retired:
             self._recycle()
         bucket = self._free.get(nbytes)
@@ -73,15 +75,25 @@ class Results:
         self.allocations += 1
         return _cuda_call("cuMemAllocAsync", max(1, nbytes), self._stream.handle)
 
-    def retire(self, address: int, nbytes: int) -> None:
-        """JAX has let go of the memory at ``address`` (its DLPack deleter: any thread)."""
-        self._retired.append((address, nbytes))
+    def lend(self, exported: Exported, address: int, nbytes: int) -> None:
+        """JAX holds the memory at ``address`` through ``exported`` until it says it let go."""
+        self._lent.append((exported, address, nbytes))
+
+    def _collect(self) -> None:
+        """Move what JAX has let go of (its DLPack deleter ran, in any thread) to the retired."""
+        still = []
+        for entry in self._lent:
+            if entry[0].released:
+                self._retired.append(entry[1:])
+            else:
+                still.append(entry)
+        self._lent = still
 
     def _recycle(self) -> None:
         """Order the stream after every JAX program queued so far, then free the retired memory."""
         self._stream.after_jax()
-        while self._retired:
-            address, nbytes = self._retired.popleft()
+        retired, self._retired = self._retired, []
+        for address, nbytes in retired:
             bucket = self._free.setdefault(nbytes, [])
             if len(bucket) < self.keep:
                 bucket.append(address)
@@ -90,6 +102,7 @@ class Results:
 
     def close(self) -> None:
         """Give every free and retired buffer back to CUDA (results JAX still holds stay valid)."""
+        self._collect()
         self._stream.after_jax()
         addresses = [a for bucket in self._free.values() for a in bucket] + [a for a, _ in self._retired]
         self._free.clear()
@@ -165,10 +178,10 @@ class JaxStream:
         stream: JAX's readers wait for it on the GPU."""
         import jax
 
-        results, nbytes = self.results, math.prod(shape) * np.dtype(dtype).itemsize
-        exported = Exported(address, shape, dtype, (DEVICE_CUDA, self.device_id),
-                            release=lambda: results.retire(address, nbytes), ready=self._ready_for)
-        return jax.dlpack.from_dlpack(exported)
+        exported = Exported(address, shape, dtype, (DEVICE_CUDA, self.device_id), ready=self._ready_for)
+        array = jax.dlpack.from_dlpack(exported)
+        self.results.lend(exported, address, math.prod(shape) * np.dtype(dtype).itemsize)
+        return array
 
     def _ready_for(self, consumer: int | None) -> None:
         """DLPack's ``stream`` argument: the consumer's stream waits for ours unless it is ours."""
