@@ -66,10 +66,12 @@ class Results:
 
     def take(self, nbytes: int) -> int:
         """The address of ``nbytes`` that the stream may write from now on."""
-        self._collect()
-        if self._retired:
-            self._recycle()
         bucket = self._free.get(nbytes)
+        if not bucket:  # order the stream after JAX's readers only when the memory is wanted
+            self._collect()
+            if self._retired:
+                self._recycle()
+            bucket = self._free.get(nbytes)
         if bucket:
             return bucket.pop()
         self.allocations += 1
