@@ -97,6 +97,10 @@ def jax_stream_order(group: Any) -> list[str]:
     import jax
     import jax.numpy as jnp
 
+    import synk_comm.nccl
+
+    synk_comm.nccl.ASYNC_MIN_BYTES = 0  # every size takes the queued path (its small sizes are quick)
+
     wrong = []
     n, r = group.size, group.rank
     big = jnp.full((4096, 4096), 1.0 / 4096, jnp.float32)
@@ -128,6 +132,10 @@ def jax_result_memory(group: Any) -> list[str]:
     in a few buffers; a result handed on to another JAX program and dropped stays correct."""
     import jax
     import jax.numpy as jnp
+
+    import synk_comm.nccl
+
+    synk_comm.nccl.ASYNC_MIN_BYTES = 0  # every size takes the queued path (its small sizes are quick)
 
     wrong = []
     n, r = group.size, group.rank

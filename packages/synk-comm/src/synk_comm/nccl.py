@@ -11,8 +11,9 @@ the host) waits for it.
 JAX arrays are immutable, and JAX cannot be told to wait for a stream of ours.  ``all_reduce``
 runs NCCL on the stream that JAX keeps for outside work (:mod:`synk_comm.jax_stream`): the input
 is exported to it through DLPack, so NCCL is queued at once and starts, on the GPU, when JAX has
-written the input; the result lives in memory of synk_comm's, handed to JAX through DLPack with
-its ready event after NCCL, so the call returns at once and JAX's readers wait on the GPU.
+written the input; a result of :data:`ASYNC_MIN_BYTES` or more lives in memory of synk_comm's,
+handed to JAX through DLPack with its ready event after NCCL, so the call returns at once and
+JAX's readers wait on the GPU (smaller results are waited for: see there).
 ``all_reduce(x, out=y)`` writes into a JAX array's own memory instead, for callers that own
 ``y``, and waits for NCCL on the host (JAX's readers of ``y`` would not).  The other collectives
 on JAX arrays, and ``all_reduce`` where JAX offers no such stream (its CPU backend), wait for
@@ -39,7 +40,7 @@ from synk_comm.ops import ReduceOp, as_op
 if TYPE_CHECKING:
     from synk_comm.group import Group
 
-__all__ = ["CudaBuffer", "NcclCollectives", "empty", "empty_like", "to_host"]
+__all__ = ["ASYNC_MIN_BYTES", "CudaBuffer", "NcclCollectives", "empty", "empty_like", "to_host"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,14 @@ def to_host(array: Any) -> np.ndarray:
     if kind == "torch":
         return array.detach().cpu().numpy()
     return np.asarray(array)
+
+
+ASYNC_MIN_BYTES = 64 << 20
+"""JAX ``all_reduce`` results of at least this size come back without a host wait, in memory of
+synk_comm's (:mod:`synk_comm.jax_stream`); smaller ones are written into a new JAX array and
+waited for.  The queued path costs ~0.5 ms of host time per call (DLPack import, memory reuse
+behind a JAX program), which only pays once NCCL itself takes longer: on 2x H200, 16 MiB took
+0.69 ms queued against 0.25 ms waited for, 256 MiB 0.94 ms against 1.11 ms."""
 
 
 class NcclCollectives(Collectives):
@@ -229,9 +238,13 @@ class NcclCollectives(Collectives):
 
     def _jax_all_reduce(self, jax_stream: JaxStream, array: Any, op: Any, out: Any) -> Any:
         """All-reduce a JAX array on JAX's stream for outside work: NCCL is queued at once and
-        starts when JAX has written the input.  A new result returns at once, in memory that JAX
-        reads after NCCL; a result written into a JAX array (``out``) is waited for."""
+        starts when JAX has written the input.  A new result of :data:`ASYNC_MIN_BYTES` or more
+        returns at once, in memory that JAX reads after NCCL; a result written into a JAX array
+        (``out``, or a new one for smaller results) is waited for."""
         source, source_capsule = jax_stream.export(array)
+        nbytes = int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
+        if out is None and nbytes < ASYNC_MIN_BYTES:
+            out = empty_like(array)
         if out is None:
             shape = tuple(array.shape)
             dest, address = jax_stream.result(shape, array.dtype)
