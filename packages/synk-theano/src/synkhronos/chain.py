@@ -18,9 +18,11 @@ no pickling.  Every rank runs its share of ``first``, then all ranks meet at a b
 rank failed, every other rank stops there, so that none waits forever inside NCCL), all-reduce
 (NCCL in GPU mode; nothing with one rank), and run ``then``.
 
-On GPUs nothing waits on the host: the all-reduce is queued behind the gradient, and ``then``
-behind the all-reduce, each ordered on the GPU (:mod:`synk_comm.jax_stream`); the first call's
-outputs are copied to the host last, and the next command's work queues behind ``then``.
+On GPUs the all-reduce is queued behind the gradient, and ``then`` behind the all-reduce, each
+ordered on the GPU (:mod:`synk_comm.jax_stream`): nothing waits on the host for gradients of
+64 MiB or more (smaller all-reduces are waited for, :data:`synk_comm.nccl.ASYNC_MIN_BYTES`); the
+first call's outputs are copied to the host last, and the next command's work queues behind
+``then``.
 """
 
 from __future__ import annotations
