@@ -146,6 +146,17 @@ def test_row_window_op_matches_numpy(mode):
         np.testing.assert_array_equal(np.asarray(f(a, np.int32(s0))), a[s0:s0 + 3] * 2)
 
 
+def test_row_window_shape_is_inferred_without_the_rows():
+    """PyTensor infers the window's shape from the Op (both the 3.0 and the 3.3 signature of
+    ``infer_shape``), so the compiled shape graph never computes the window."""
+    from synkhronos.rows import RowWindow
+
+    x, start = pt.matrix("x", dtype="float64"), pt.iscalar("start")
+    f = pytensor.function([x, start], RowWindow(5)(x, start).shape, mode="FAST_RUN", on_unused_input="ignore")
+    assert not any(isinstance(node.op, RowWindow) for node in f.maker.fgraph.apply_nodes)
+    np.testing.assert_array_equal(f(np.zeros((12, 7)), np.int32(2)), [5, 7])
+
+
 def per_rank_slices(n: int) -> list[slice]:
     return [slice(0, 1), slice(None, None, -1), slice(-2, None), slice(1, 3)][:n]
 

@@ -60,8 +60,10 @@ class RowWindow(Op):
         x, start = inputs
         output_storage[0][0] = np.array(x[int(start):int(start) + self.count])
 
-    def infer_shape(self, fgraph: Any, node: Apply, input_shapes: list[Any]) -> list[tuple[Any, ...]]:
-        """``(count, *x.shape[1:])``."""
+    def infer_shape(self, *args: Any) -> list[tuple[Any, ...]]:
+        """``(count, *x.shape[1:])``.  PyTensor before 3.3 passes ``(fgraph, node, input_shapes)``,
+        3.3 on ``(node, input_shapes)`` (and warns about the old form)."""
+        input_shapes = args[-1]
         return [(self.count, *input_shapes[0][1:])]
 
 
