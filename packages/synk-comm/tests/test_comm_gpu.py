@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
+from typing import Any
 
 import comm_gpu
 import pytest
@@ -46,20 +48,19 @@ def test_group_methods_dispatch_device_arrays_to_nccl() -> None:
     assert not [w for rank_wrong in results for w in rank_wrong]
 
 
-def test_jax_all_reduce_is_ordered_on_the_gpu_without_host_waits() -> None:
+def _run_jax_scenario(scenario: Callable[[Any], list[str]]) -> None:
+    """Run ``scenario`` in a rank per GPU; it returns what it found wrong."""
     if importlib.util.find_spec("jax") is None:
         pytest.skip("jax not installed")
     n = min(_gpu_count(), 8)
-    results = synk_comm.spawn(comm_gpu.jax_stream_order, n, devices=list(range(n)))
+    results = synk_comm.spawn(scenario, n, devices=list(range(n)))
     wrong = [w for rank_wrong in results for w in rank_wrong]
     assert not wrong, "\n".join(wrong)
+
+
+def test_jax_all_reduce_is_ordered_on_the_gpu_without_host_waits() -> None:
+    _run_jax_scenario(comm_gpu.jax_stream_order)
 
 
 def test_jax_results_reuse_memory_only_after_jax_is_done_with_it() -> None:
-    if importlib.util.find_spec("jax") is None:
-        pytest.skip("jax not installed")
-    n = min(_gpu_count(), 8)
-    results = synk_comm.spawn(comm_gpu.jax_result_memory, n, devices=list(range(n)))
-    wrong = [w for rank_wrong in results for w in rank_wrong]
-    assert not wrong, "\n".join(wrong)
-
+    _run_jax_scenario(comm_gpu.jax_result_memory)
