@@ -11,13 +11,16 @@ protocol, which orders the two both ways:
 * **Results.**  JAX cannot be told to wait for a stream of ours, and an array it allocated itself
   comes back as its own buffer, whose readers do not wait (measured on 2x H200: stale reads).
   So results live in memory that synk_comm allocates (:class:`Results`) and are handed to JAX
-  through DLPack (:class:`~synk_comm.dlpack.Exported`): ``jax.dlpack.from_dlpack`` records the
-  new array's ready event on ``s`` after NCCL, and every JAX reader waits for that event.
+  through DLPack (:class:`~synk_comm.dlpack.Exported`): ``jax.dlpack.from_dlpack`` names the
+  stream on which it records the new array's ready event, our export makes that stream wait for
+  ``s`` (after NCCL), and every JAX reader waits for the event on the GPU.
 
-When JAX lets go of a result, its memory is *retired*, not free: JAX readers queued before may
-still be running on the compute stream.  Before retired memory is used again, ``s`` waits for a
-tiny JAX program queued after them (JAX runs its programs in order), and only then does the
-memory take a new result.
+When JAX lets go of a result (the DLPack deleter, in any thread: :attr:`Exported.released
+<synk_comm.dlpack.Exported.released>`), its memory is *retired*, not free: JAX readers queued
+before may still be running on the compute stream.  When memory of that size is wanted and none is
+free, ``s`` waits for a tiny JAX program queued after those readers (JAX runs its programs in
+order), and only then does retired memory take a new result.  Which results take this path is
+:data:`synk_comm.nccl.ASYNC_MIN_BYTES`'s business.
 """
 
 from __future__ import annotations
@@ -186,10 +189,11 @@ class JaxStream:
         return array
 
     def _ready_for(self, consumer: int | None) -> None:
-        """DLPack's ``stream`` argument: the consumer's stream waits for ours unless it is ours."""
-        if consumer is None or consumer == self.handle:
+        """DLPack's ``stream`` argument: the consumer's stream waits for ours unless it is ours
+        (-1: the consumer asks for no ordering; None, 1, 2: a default stream -- the host waits)."""
+        if consumer == -1 or consumer == self.handle:
             return
-        if consumer in (1, 2):  # the legacy and per-thread default streams
+        if consumer in (None, 1, 2):
             self.stream.sync()
             return
         from cuda.core import Stream
