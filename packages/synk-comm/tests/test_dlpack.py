@@ -96,3 +96,18 @@ def test_capsule_address_reads_a_producers_capsule(max_version: Any) -> None:
     array = np.arange(10, dtype=np.float64)[3:]  # an offset into a larger buffer
     capsule = array.__dlpack__() if max_version is None else array.__dlpack__(max_version=max_version)
     assert capsule_address(capsule) == array.ctypes.data
+
+
+def test_the_consumer_may_let_go_after_the_owner_dropped_the_export() -> None:
+    """The structure the consumer calls back into is C memory of its own, kept until released:
+    a consumer that lets go late (JAX's arrays at interpreter exit) never writes into freed
+    memory."""
+    memory = _owned((5,), "float64")
+    exported = _export(memory)
+    view = np.from_dlpack(exported)
+    del exported
+    gc.collect()
+    view[...] = 7.0
+    np.testing.assert_array_equal(memory, 7.0)
+    del view
+    gc.collect()

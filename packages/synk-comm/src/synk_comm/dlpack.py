@@ -95,17 +95,22 @@ _SEM_POST = ctypes.cast(_libc.sem_post, ctypes.c_void_p).value
 _sem_post = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(("sem_post", _libc))
 _VERSION = (1, 0)  # the DLPack version exported: the structure's head must read (1, 0)
 
-# Every exported structure (with its shape array) not yet released, by address: its memory must
-# outlive the consumer's last call of the deleter.
-_live: dict[int, tuple[Any, Any, Exported]] = {}
+# An exported structure and its shape array live in one block of C memory (malloc), freed when
+# its owner sees it released: never by Python's collector, so a consumer that lets go while the
+# interpreter shuts down (JAX's arrays at exit) still writes into live memory.
+_malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(("malloc", _libc))
+_free = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(("free", _libc))
+
+# The export of every structure not yet seen released, by the structure's address.
+_live: dict[int, Exported] = {}
 
 
 @_Deleter
 def _unversioned_deleter(address: int) -> None:
     """DLManagedTensor.deleter (consumers without DLPack 1.0: numpy < 2.1 and alike)."""
-    entry = _live.get(address)
-    if entry is not None:
-        entry[2]._consumer_done = True
+    exported = _live.get(address)
+    if exported is not None:
+        exported._consumer_done = True
 
 
 @_Destructor
@@ -152,7 +157,8 @@ class Exported:
         self.dtype = np.dtype(dtype)
         self.device = device
         self._ready = ready
-        self._managed: Any = None  # the exported structure, once __dlpack__ has run
+        self._managed: Any = None  # the exported structure, from __dlpack__ until seen released
+        self._struct: int | None = None  # its address (kept after it is freed: offered once)
         self._consumer_done = False  # set by the unversioned deleter
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -160,7 +166,7 @@ class Exported:
 
     def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
-        if self._managed is not None:
+        if self._struct is not None:
             raise BufferError("this memory was exported already; it is offered once")
         if dl_device is not None and tuple(dl_device) != self.device:
             raise BufferError(f"the memory lives on DLPack device {self.device}, not {dl_device}")
@@ -170,33 +176,42 @@ class Exported:
         if self._ready is not None:
             self._ready(stream)
         versioned = max_version is not None and max_version[0] >= _VERSION[0]
-        managed: Any = _DLManagedTensorVersioned() if versioned else _DLManagedTensor()
-        shape = (ctypes.c_int64 * max(1, len(self.shape)))(*self.shape)
+        kind: Any = _DLManagedTensorVersioned if versioned else _DLManagedTensor
+        head, ndim = ctypes.sizeof(kind), len(self.shape)
+        address = _malloc(head + 8 * max(1, ndim))
+        if not address:
+            raise MemoryError("no host memory left for a DLPack structure")
+        ctypes.memset(address, 0, head)
+        managed = kind.from_address(address)
+        shape = (ctypes.c_int64 * max(1, ndim)).from_address(address + head)
+        for i, extent in enumerate(self.shape):
+            shape[i] = extent
         tensor = managed.dl_tensor
         tensor.data = self.address
         tensor.device_type, tensor.device_id = self.device
-        tensor.ndim = len(self.shape)
+        tensor.ndim = ndim
         tensor.code, tensor.bits, tensor.lanes = code, bits, 1
-        tensor.shape = ctypes.addressof(shape)
+        tensor.shape = address + head
         tensor.strides = None  # compact, row-major
         if versioned:
             managed.version.major, managed.version.minor = _VERSION
             managed.deleter = _SEM_POST
         else:
             managed.deleter = _unversioned_deleter
-        address = ctypes.addressof(managed)
-        _live[address] = (managed, shape, self)
-        self._managed = managed
+        _live[address] = self
+        self._managed, self._struct = managed, address
         return _new_capsule(address, _NAME_VERSIONED if versioned else _NAME, _capsule_destructor)
 
     @property
     def released(self) -> bool:
         """Whether the consumer has let go of the memory (never true before ``__dlpack__``)."""
-        managed = self._managed
-        if managed is None:
-            return False
-        done = self._consumer_done or (isinstance(managed, _DLManagedTensorVersioned)
-                                       and managed.version.major != _VERSION[0])
-        if done:
-            _live.pop(ctypes.addressof(managed), None)
-        return done
+        managed, struct = self._managed, self._struct
+        if managed is None or struct is None:
+            return struct is not None  # not exported yet, or released and freed
+        if self._consumer_done or (isinstance(managed, _DLManagedTensorVersioned)
+                                   and managed.version.major != _VERSION[0]):
+            self._managed = None
+            del _live[struct]
+            _free(struct)
+            return True
+        return False
