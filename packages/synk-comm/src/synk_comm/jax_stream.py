@@ -34,9 +34,14 @@ import numpy as np
 
 from synk_comm.dlpack import DEVICE_CUDA, Exported, capsule_address
 
-__all__ = ["CudaPointer", "JaxStream", "Results"]
+__all__ = ["CudaPointer", "JaxStream", "Results", "size_in_bytes"]
 
 log = logging.getLogger(__name__)
+
+
+def size_in_bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """The size in bytes of a compact array of ``shape`` x ``dtype``."""
+    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 class CudaPointer:
@@ -175,7 +180,7 @@ class JaxStream:
 
     def result(self, shape: tuple[int, ...], dtype: Any) -> tuple[CudaPointer, int]:
         """Memory for a result that the stream writes next: NCCL's view of it, and its address."""
-        address = self.results.take(math.prod(shape) * np.dtype(dtype).itemsize)
+        address = self.results.take(size_in_bytes(shape, dtype))
         return CudaPointer(address, shape, dtype), address
 
     def to_jax(self, address: int, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -185,7 +190,7 @@ class JaxStream:
 
         exported = Exported(address, shape, dtype, (DEVICE_CUDA, self.device_id), ready=self._ready_for)
         array = jax.dlpack.from_dlpack(exported)
-        self.results.lend(exported, address, math.prod(shape) * np.dtype(dtype).itemsize)
+        self.results.lend(exported, address, size_in_bytes(shape, dtype))
         return array
 
     def _ready_for(self, consumer: int | None) -> None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from synk_comm.collectives import Collectives
-from synk_comm.jax_stream import JaxStream
+from synk_comm.jax_stream import JaxStream, size_in_bytes
 from synk_comm.ops import ReduceOp, as_op
 
 if TYPE_CHECKING:
@@ -242,8 +242,7 @@ class NcclCollectives(Collectives):
         returns at once, in memory that JAX reads after NCCL; a result written into a JAX array
         (``out``, or a new one for smaller results) is waited for."""
         source, source_capsule = jax_stream.export(array)
-        nbytes = int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
-        if out is None and nbytes < ASYNC_MIN_BYTES:
+        if out is None and size_in_bytes(tuple(array.shape), array.dtype) < ASYNC_MIN_BYTES:
             out = empty_like(array)
         if out is None:
             shape = tuple(array.shape)
