@@ -169,7 +169,13 @@ def synk_train_steps(n: int, batches: list[int], steps: int = 20) -> dict[int, f
 
 
 def _child(target, args, q) -> None:
-    q.put(target(*args))
+    try:
+        q.put((True, target(*args)))
+    except BaseException as exc:  # the parent re-raises it instead of waiting for a result that never comes
+        import traceback
+
+        q.put((False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
 
 
 @contextlib.contextmanager
@@ -196,8 +202,23 @@ def in_child(target, args: tuple, devices: list[str]) -> Any:
     with gpus_visible(devices):
         p = ctx.Process(target=_child, args=(target, args, q))
         p.start()
-    result = q.get(timeout=400)
+    import queue
+
+    deadline = time.monotonic() + 400
+    while True:
+        try:
+            ok, result = q.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"{getattr(target, '__name__', target)} died (exit code {p.exitcode}) "
+                                   "before returning a result") from None
+            if time.monotonic() > deadline:
+                p.kill()
+                raise TimeoutError(f"{getattr(target, '__name__', target)} returned nothing in 400 s") from None
     p.join()
+    if not ok:
+        raise RuntimeError(f"{getattr(target, '__name__', target)} failed in its child process:\n{result}")
     return result
 
 
