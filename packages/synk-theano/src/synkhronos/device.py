@@ -8,6 +8,7 @@ mode keeps values as numpy arrays in the variables' own containers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,6 +58,9 @@ class Device:
     def put_update(self, var: SharedVariable, value: Any) -> None:
         """Store a value computed by a compiled function (already in this device's memory)."""
         raise NotImplementedError
+
+    def wait(self, values: Sequence[Any]) -> None:
+        """Return when ``values`` (computed by compiled functions) are ready (CPU: they are)."""
 
 
 class CpuDevice(Device):
