@@ -35,11 +35,15 @@ class CallContext:
     weight : float
         This rank's weight: its rows in the call (scattered input rows, or sliceable rows after
         ``batch_s``; 1 when nothing is split), the weight the output reduction ``avg`` uses.
+    failure : Exception or None
+        What a collective raised in this rank (a peer's failure, mismatched shapes): the call path
+        raises it as it is, where a backend (JAX's host callbacks) would have wrapped it.
     """
 
     def __init__(self, group: Group, weight: float) -> None:
         self.group = group
         self.weight = float(weight)
+        self.failure: Exception | None = None
         self._total: float | None = None
 
     @property

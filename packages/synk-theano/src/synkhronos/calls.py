@@ -200,9 +200,14 @@ def compute(rt: Runtime, rep: Replica, weight: float, run: Callable[[], list[Any
     collectives run in host callbacks, which must end before this rank's next use of the group."""
     if not rep.has_collectives:
         return run()
-    with call_context.running(rt.group, weight):
-        outputs = run()
-        rep.wait(outputs)
+    with call_context.running(rt.group, weight) as ctx:
+        try:
+            outputs = run()
+            rep.wait(outputs)
+        except Exception:
+            if ctx.failure is not None:
+                raise ctx.failure from None
+            raise
     return outputs
 
 

@@ -37,8 +37,9 @@ class Device:
         """The variable's value in this rank, as a numpy array (no copy where possible)."""
         raise NotImplementedError
 
-    def set(self, var: SharedVariable, value: np.ndarray) -> None:
-        """Set the variable's value in this rank from host memory (copies ``value``)."""
+    def set(self, var: SharedVariable, value: Any) -> None:
+        """Set the variable's value in this rank from host memory (copies ``value``; GPU mode
+        also takes a value already on its GPU)."""
         raise NotImplementedError
 
     def take(self, var: SharedVariable, rows: Any) -> Any:

@@ -86,8 +86,8 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import numpy as np
 from pytensor.graph.basic import Apply, Variable
@@ -143,7 +143,7 @@ def all_reduce(x: Any, op: str = "sum") -> Variable:
 
     >>> grads = [ops.all_reduce(g, "avg") for g in pytensor.grad(mean_loss, params)]  # doctest: +SKIP
     """
-    return AllReduce(op)(x)
+    return cast(Variable, AllReduce(op)(x))
 
 
 def all_gather(x: Any, axis: int = 0) -> Variable:
@@ -178,7 +178,7 @@ def all_gather(x: Any, axis: int = 0) -> Variable:
     must hold the same length along ``axis``.  Gradient: this rank's block of the all-reduce
     (sum) of the output's gradient.
     """
-    return AllGather(axis)(x)
+    return cast(Variable, AllGather(axis)(x))
 
 
 def broadcast(x: Any, root: int = 0) -> Variable:
@@ -207,7 +207,7 @@ def broadcast(x: Any, root: int = 0) -> Variable:
     -----
     Gradient: the root gets the sum over the ranks of the output's gradient, the others zero.
     """
-    return Broadcast(root)(x)
+    return cast(Variable, Broadcast(root)(x))
 
 
 # --- finding them in a graph ----------------------------------------------------------------------
@@ -261,7 +261,7 @@ class Collective(Op):
     def do_constant_folding(self, fgraph: Any, node: Apply) -> bool:
         return False
 
-    def perform(self, node: Apply, inputs: list[Any], output_storage: list[list[Any]]) -> None:
+    def perform(self, node: Apply, inputs: Sequence[Any], output_storage: list[list[Any]]) -> None:
         output_storage[0][0] = np.asarray(self.compute(*inputs), dtype=node.outputs[0].type.dtype)
 
     def compute(self, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
@@ -270,7 +270,11 @@ class Collective(Op):
         ctx = call_context.active()
         if ctx is None or ctx.size == 1:
             return self.identity(*arrays)
-        return self.host(ctx, *arrays, even=even)
+        try:
+            return self.host(ctx, *arrays, even=even)
+        except Exception as exc:  # raised again as it is by the call path (JAX would wrap it)
+            ctx.failure = exc
+            raise
 
     def identity(self, *arrays: np.ndarray) -> np.ndarray:
         """The value with one rank (a new array: an op's output never aliases its input)."""
@@ -296,7 +300,7 @@ class AllReduce(Collective):
     def __init__(self, op: str = "sum") -> None:
         self.op = check_op(op, "all_reduce", REDUCE_OPS)
 
-    def make_node(self, x: Any) -> Apply:
+    def make_node(self, x: Any) -> Apply:  # type: ignore[override]
         import pytensor.tensor as pt
 
         x = pt.as_tensor_variable(x)
@@ -313,22 +317,23 @@ class AllReduce(Collective):
     def infer_shape(self, *args: Any) -> list[Any]:
         return [args[-1][0]]
 
-    def host(self, ctx: CallContext, x: np.ndarray, even: bool = False) -> np.ndarray:
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        (x,) = arrays
         total = ctx.total_weight() if self.op == "avg" else 1.0
         if total == 0:  # no rank has rows: a mean over nothing
             return np.full(x.shape, np.nan, dtype=x.dtype)
-        part = contribution(self.op, np.ascontiguousarray(x), ctx.weight, total)
+        part = contribution(self.op, _contiguous(x), ctx.weight, total)
         return ctx.group.all_reduce(part, "sum" if self.op == "avg" else self.op)
 
-    def pullback(self, inputs: list[Any], outputs: list[Any], output_grads: list[Any]) -> list[Any]:
+    def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
         import pytensor.tensor as pt
         from pytensor import config
 
         (x,), (y,), (g,) = inputs, outputs, output_grads
         if np.dtype(x.type.dtype).kind not in "fc":
             return [x.zeros_like(dtype=config.floatX)]
-        summed = AllReduce("sum")(g)
-        share = WeightShare(g.type.dtype)()
+        summed: Any = AllReduce("sum")(g)
+        share: Any = WeightShare(g.type.dtype)()
         if self.op == "avg":
             return [summed * share]
         active = pt.gt(share, 0)
@@ -339,7 +344,8 @@ class AllReduce(Collective):
         zero = pt.eq(x, 0)  # prod: the product of the others, exact where some values are zero
         nonzero = pt.switch(zero, pt.ones_like(x), x)
         zeros_elsewhere = pt.gt(AllReduce("sum")(pt.cast(zero, "int64")) - pt.cast(zero, "int64"), 0)
-        others = pt.switch(zeros_elsewhere, pt.zeros_like(x), AllReduce("prod")(nonzero) / nonzero)
+        product: Any = AllReduce("prod")(nonzero)
+        others = pt.switch(zeros_elsewhere, pt.zeros_like(x), product / nonzero)
         return [pt.switch(active, summed * others, pt.zeros_like(summed))]
 
     def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
@@ -369,7 +375,7 @@ class AllGather(Collective):
             raise TypeError(f"all_gather: axis must be an int, got {axis!r}")
         self.axis = int(axis)
 
-    def make_node(self, x: Any) -> Apply:
+    def make_node(self, x: Any) -> Apply:  # type: ignore[override]
         import pytensor.tensor as pt
 
         x = pt.as_tensor_variable(x)
@@ -382,10 +388,11 @@ class AllGather(Collective):
         shape = tuple(None if i == axis else s for i, s in enumerate(x.type.shape))
         return Apply(self, [x], [x.type.clone(shape=shape)()])
 
-    def host(self, ctx: CallContext, x: np.ndarray, even: bool = False) -> np.ndarray:
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        (x,) = arrays
         axis = self.axis % x.ndim
         block = x if ctx.active else _empty_along(x, axis)
-        parts = ctx.group.all_gather(np.ascontiguousarray(block))
+        parts = ctx.group.all_gather(_contiguous(block))
         lengths = [p.shape[axis] for p in parts]
         if even and len(set(lengths)) > 1:
             raise ValueError(f"all_gather along axis {axis} under mode='JAX': the ranks hold lengths {lengths}; a "
@@ -398,7 +405,7 @@ class AllGather(Collective):
                              f"they may differ along axis {axis} only")
         return np.concatenate(kept, axis=axis)
 
-    def pullback(self, inputs: list[Any], outputs: list[Any], output_grads: list[Any]) -> list[Any]:
+    def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
         return [AllGatherGrad(self.axis)(inputs[0], output_grads[0])]
 
     def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
@@ -423,7 +430,7 @@ class Broadcast(Collective):
             raise ValueError(f"broadcast: root must be a rank (an int >= 0), got {root!r}")
         self.root = int(root)
 
-    def make_node(self, x: Any) -> Apply:
+    def make_node(self, x: Any) -> Apply:  # type: ignore[override]
         import pytensor.tensor as pt
 
         from synkhronos.runtime import current
@@ -437,10 +444,11 @@ class Broadcast(Collective):
     def infer_shape(self, *args: Any) -> list[Any]:
         return [args[-1][0]]
 
-    def host(self, ctx: CallContext, x: np.ndarray, even: bool = False) -> np.ndarray:
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        (x,) = arrays
         _check_root(self.root, ctx.size)
         if ctx.rank == self.root:
-            ctx.group.broadcast(np.ascontiguousarray(x), root=self.root)
+            ctx.group.broadcast(_contiguous(x), root=self.root)
             return np.array(x, copy=True)
         value = ctx.group.broadcast(None, root=self.root)
         if value.shape != x.shape:
@@ -448,7 +456,7 @@ class Broadcast(Collective):
                              f"{value.shape}; every rank must hold the same shape")
         return value
 
-    def pullback(self, inputs: list[Any], outputs: list[Any], output_grads: list[Any]) -> list[Any]:
+    def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
         return [BroadcastGrad(self.root)(inputs[0], output_grads[0])]
 
     def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
@@ -472,7 +480,7 @@ class WeightShare(Collective):
     def __init__(self, dtype: str) -> None:
         self.dtype = str(dtype)
 
-    def make_node(self) -> Apply:
+    def make_node(self) -> Apply:  # type: ignore[override]
         import pytensor.tensor as pt
 
         return Apply(self, [], [pt.scalar(dtype=self.dtype)])
@@ -500,7 +508,7 @@ class WeightShare(Collective):
 class _GradOp(Collective):
     """A gradient's collective ``(x, gy) -> gx``: ``x`` gives the shape only."""
 
-    def make_node(self, x: Any, gy: Any) -> Apply:
+    def make_node(self, x: Any, gy: Any) -> Apply:  # type: ignore[override]
         import pytensor.tensor as pt
 
         x, gy = pt.as_tensor_variable(x), pt.as_tensor_variable(gy)
@@ -512,7 +520,7 @@ class _GradOp(Collective):
     def connection_pattern(self, node: Apply) -> list[list[bool]]:
         return [[False], [True]]
 
-    def pullback(self, inputs: list[Any], outputs: list[Any], output_grads: list[Any]) -> list[Any]:
+    def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
         from pytensor.gradient import DisconnectedType, grad_not_implemented
 
         return [DisconnectedType()(), grad_not_implemented(self, 1, inputs[1], "second derivatives through "
@@ -530,10 +538,11 @@ class AllGatherGrad(_GradOp):
     def __init__(self, axis: int) -> None:
         self.axis = int(axis)
 
-    def host(self, ctx: CallContext, x: np.ndarray, gy: np.ndarray, even: bool = False) -> np.ndarray:
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        x, gy = arrays
         axis = self.axis % x.ndim
         part = gy if ctx.active else np.zeros_like(gy)
-        summed = ctx.group.all_reduce(np.ascontiguousarray(part), "sum")
+        summed = ctx.group.all_reduce(_contiguous(part), "sum")
         length = x.shape[axis] if ctx.active else 0
         lengths = [int(n[0]) for n in ctx.group.all_gather(np.array([length], dtype=np.int64))]
         if not ctx.active:
@@ -559,9 +568,10 @@ class BroadcastGrad(_GradOp):
     def __init__(self, root: int) -> None:
         self.root = int(root)
 
-    def host(self, ctx: CallContext, x: np.ndarray, gy: np.ndarray, even: bool = False) -> np.ndarray:
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        x, gy = arrays
         part = gy if ctx.active else np.zeros_like(gy)
-        summed = ctx.group.reduce(np.ascontiguousarray(part), "sum", root=self.root)
+        summed = ctx.group.reduce(_contiguous(part), "sum", root=self.root)
         return summed if ctx.rank == self.root else np.zeros(x.shape, dtype=gy.dtype)
 
     def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
@@ -571,6 +581,12 @@ class BroadcastGrad(_GradOp):
         lax, root = jax.lax, self.root
         return lambda x, gy: jnp.where(lax.axis_index(axis_name) == root, lax.psum(gy, axis_name),
                                        jnp.zeros_like(gy))
+
+
+def _contiguous(x: np.ndarray) -> np.ndarray:
+    """``x`` in C order (a copy only if it is not; 0-d stays 0-d, unlike ``np.ascontiguousarray``)."""
+    x = np.asarray(x)
+    return x if x.flags.c_contiguous else x.copy(order="C")
 
 
 def _empty_along(x: np.ndarray, axis: int) -> np.ndarray:
