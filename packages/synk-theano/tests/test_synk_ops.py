@@ -284,6 +284,7 @@ def test_num_slices_is_refused_before_any_worker_acts(ranks):
         np.testing.assert_array_equal(synk.get_value(r, acc), np.zeros(2))
 
 
+@pytest.mark.cpu_only("JAX clamps an out-of-range index instead of raising")
 def test_a_rank_that_fails_before_a_collective_stops_the_call_without_a_hang(ranks):
     """Ranks 1.. index a row they do not have and raise before the all-reduce that rank 0 waits in:
     every rank leaves the call, the master raises, and the group stays usable."""
