@@ -259,9 +259,11 @@ class Collective(Op):
     # infer_shape(*args): PyTensor before 3.3 passes (fgraph, node, input_shapes), 3.3 on (node, input_shapes)
 
     def do_constant_folding(self, fgraph: Any, node: Apply) -> bool:
+        """Never: the value depends on the other ranks, even for constant inputs."""
         return False
 
     def perform(self, node: Apply, inputs: Sequence[Any], output_storage: list[list[Any]]) -> None:
+        """PyTensor's default backends: :meth:`compute` on the input arrays."""
         output_storage[0][0] = np.asarray(self.compute(*inputs), dtype=node.outputs[0].type.dtype)
 
     def compute(self, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
