@@ -90,11 +90,13 @@ def main() -> None:
     args = parser.parse_args()
     synk.fork(args.ranks, use_gpu=args.gpu)
     import pytensor
+    from pytensor.compile.mode import get_default_mode
 
     from machine import cpu_model
 
-    print(f"{'GPU' if args.gpu else 'CPU'} mode, {args.ranks} ranks; PyTensor {pytensor.__version__} "
-          f"({pytensor.config.mode} mode); {cpu_model()}")
+    linker = "JAX" if args.gpu else type(get_default_mode().linker).__name__
+    print(f"{'GPU' if args.gpu else 'CPU'} mode, {args.ranks} ranks; PyTensor {pytensor.__version__} ({linker}); "
+          f"{cpu_model()}")
     print(f"{'model':>8} {'widths':>22} {'batch':>6} {'grad values':>12} {'fused ms':>9} {'chain ms':>9} "
           f"{'chain/fused':>11}")
     try:
