@@ -19,6 +19,7 @@ compare them there before choosing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -40,7 +41,7 @@ def build(widths: list[int], batch: int, n_rows: int) -> tuple:
     rng = np.random.default_rng(0)
     x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
     params, h = [], x
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
         w = pytensor.shared((rng.standard_normal((a, b)) / np.sqrt(a)).astype("float32"), name=f"W{i}")
         c = pytensor.shared(np.zeros(b, dtype="float32"), name=f"b{i}")
         params += [w, c]
@@ -90,9 +91,8 @@ def main() -> None:
     args = parser.parse_args()
     synk.fork(args.ranks, use_gpu=args.gpu)
     import pytensor
-    from pytensor.compile.mode import get_default_mode
-
     from machine import cpu_model
+    from pytensor.compile.mode import get_default_mode
 
     linker = "JAX" if args.gpu else type(get_default_mode().linker).__name__
     print(f"{'GPU' if args.gpu else 'CPU'} mode, {args.ranks} ranks; PyTensor {pytensor.__version__} ({linker}); "

@@ -213,8 +213,8 @@ class Replica:
         if not outs_per_slice:
             return []
 
-        def combined(op: str, values: list[Any]) -> Any:  # one slice: as it is (even of 0 rows)
-            return values[0] if len(values) == 1 else combine(op, values, weights, xp=device.xp)
+        def combined(op: str, values: list[Any]) -> Any:  # one slice of no rows (collectives): as it is
+            return values[0] if weights == [0] else combine(op, values, weights, xp=device.xp)
 
         outputs = _declared([combined(ops[i], [o[i] for o in outs_per_slice]) for i in range(n_out)],
                             self.output_variables(subset))
