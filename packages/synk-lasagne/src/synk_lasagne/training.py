@@ -60,8 +60,8 @@ import numpy as np
 from synk_lasagne import updates as _updates
 from synk_lasagne.updates import RuleUpdates
 
-__all__ = ["EvalFunction", "TrainFunction", "Trainer", "load_checkpoint", "make_eval_function",
-           "make_train_function", "save_checkpoint"]
+__all__ = ["EvalFunction", "TrainFunction", "Trainer", "in_graph_all_reduce_pays", "load_checkpoint",
+           "make_eval_function", "make_train_function", "save_checkpoint"]
 
 Rule = Callable[..., Any]
 """An update rule of :mod:`synk_lasagne.updates` (or one with its signature and return value)."""
@@ -93,7 +93,8 @@ class TrainFunction:
         The step as ONE Synkhronos function: the loss (and outputs) and its gradient on each
         rank's rows, the in-graph all-reduce of the flat gradient
         (:func:`synkhronos.ops.all_reduce`), the update rule (the function's updates).  What a
-        call with ``num_slices=1`` runs: one command, one compiled function per rank.
+        call with ``num_slices=1`` runs (on 2+ GPUs: :attr:`chain`, see
+        :func:`in_graph_all_reduce_pays`): one command, one compiled function per rank.
     chain : synkhronos.Chain
         The step for ``num_slices`` > 1 (built on first use): ``grad_fn`` accumulates the flat
         gradient over the slices, the chain all-reduces it (avg) and runs ``step_fn``.
@@ -169,7 +170,8 @@ class TrainFunction:
             Rows of each rank's sliceable shared variables (selected after the split).
         num_slices : int, optional
             Accumulate each rank's gradient over this many slices (to bound memory); > 1 runs
-            :attr:`chain` instead of :attr:`function`.
+            :attr:`chain` instead of :attr:`function` (as do GPUs, see
+            :func:`in_graph_all_reduce_pays`).
 
         Returns
         -------
@@ -184,12 +186,29 @@ class TrainFunction:
         """
         if _empty(batch):
             raise ValueError("the batch is empty: a training step needs at least one row")
-        step = self.function if num_slices == 1 else self.chain
+        step = self.function if num_slices == 1 and in_graph_all_reduce_pays() else self.chain
         out = step(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
         return out[0] if len(self.output_names) == 1 else out
 
     def __repr__(self) -> str:
         return f"<synk_lasagne.TrainFunction of {len(self.params)} params, outputs {self.output_names}>"
+
+
+def in_graph_all_reduce_pays() -> bool:
+    """Whether a training step runs as :attr:`TrainFunction.function` (the in-graph all-reduce)
+    rather than :attr:`TrainFunction.chain`: everywhere but on 2+ real GPUs.
+
+    In CPU mode (and with one rank) the in-graph all-reduce takes the same shared-memory path as
+    the chain's, and one function saves a call and a barrier (``benchmarks/RESULTS.md``).  On GPUs,
+    PyTensor's per-rank JAX programs run it as a host callback -- the gradient through host memory
+    -- while the chain all-reduces GPU to GPU through NCCL, queued behind the gradient: the chain
+    until a function runs as one program over the ranks' devices (``jax_funcify(...,
+    synk_axis=...)``), where the in-graph all-reduce is XLA's own.
+    """
+    from synkhronos.runtime import current
+
+    rt = current()
+    return rt is None or rt.size == 1 or not rt.device.nccl_capable
 
 
 def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any], rule: Rule = _updates.sgd, *,
