@@ -313,6 +313,28 @@ def test_chain_runs_then_with_its_collectives(ranks):
         np.testing.assert_allclose(synk.get_value(r, total), ranks * biggest, rtol=1e-12)
 
 
+@pytest.mark.skipif(not HAS_JAX, reason="needs jax")
+@pytest.mark.cpu_only("CPU mode's ranks compiling with mode='JAX' (GPU mode always does)")
+@pytest.mark.parametrize("n_rows", [7, 1], ids=["7rows", "1row"])
+def test_cpu_mode_ranks_compiling_with_jax(ranks, n_rows):
+    """CPU mode with ``mode="JAX"`` per rank (XLA on the CPU): the ops run as host callbacks, in
+    outputs and updates, a rank without rows included (float32: JAX's default precision)."""
+    x = pt.matrix("x", dtype="float32")
+    acc = pytensor.shared(np.zeros(3, dtype="float32"), name="acc")
+    m = pt.mean(x, axis=0)
+    f = synk.function([x], outputs=[(ops.all_reduce(m, "avg"), "max"), (ops.broadcast(m, root=0), "min"),
+                                    (ops.all_reduce(x.shape[0], "sum"), "max")],
+                      updates=[(acc, acc + ops.all_reduce(m, "avg"))], mode="JAX")
+    value = np.random.default_rng(12).normal(size=(n_rows, 3)).astype("float32")
+    mean, root_mean, rows = f(synk.data(value))
+    np.testing.assert_allclose(mean, value.mean(axis=0), rtol=1e-5)
+    np.testing.assert_allclose(root_mean, parts(value, ranks)[0].mean(axis=0), rtol=1e-5)
+    assert int(rows) == n_rows
+    for r in range(ranks):
+        np.testing.assert_allclose(synk.get_value(r, acc), value.mean(axis=0), rtol=1e-5)
+    synk.broadcast(acc, np.zeros(3, dtype="float32"))
+
+
 @pytest.mark.skipif(not USE_GPU, reason="GPU mode (JAX per rank): run with SYNK_TEST_GPU=1")
 def test_jax_all_gather_of_uneven_blocks_says_why(ranks):
     x = pt.matrix("x")

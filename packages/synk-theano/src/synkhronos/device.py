@@ -8,6 +8,7 @@ mode keeps values as numpy arrays in the variables' own containers.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +62,14 @@ class Device:
         raise NotImplementedError
 
     def wait(self, values: Sequence[Any]) -> None:
-        """Return when ``values`` (computed by compiled functions) are ready (CPU: they are)."""
+        """Return when ``values`` (computed by compiled functions) are ready: JAX arrays (any
+        ``mode="JAX"`` function; JAX dispatches asynchronously) are waited for, numpy ones are."""
+        jax = sys.modules.get("jax")
+        if jax is None:
+            return
+        pending = [v for v in values if isinstance(v, jax.Array)]
+        if pending:
+            jax.block_until_ready(pending)
 
 
 class CpuDevice(Device):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import sys
 import types
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -175,7 +174,3 @@ class GpuDevice(Device):
             var.container.storage[0] = value
             return
         self.set(var, value)
-
-    def wait(self, values: Sequence[Any]) -> None:
-        """Block until the JAX computations of ``values`` are done (JAX dispatches asynchronously)."""
-        self.jax.block_until_ready([v for v in values if isinstance(v, self.jax.Array)])

@@ -622,6 +622,7 @@ def _host_callback(op: Collective, node: Apply) -> Callable[..., Any]:
     out_dtype = node.outputs[0].type.dtype
 
     def run(*args: Any) -> Any:
+        args = tuple(jax.numpy.asarray(a) for a in args)  # a static shape may come as a Python int
         ctx = call_context.active()
         rt = current()
         size = ctx.size if ctx is not None else 1
