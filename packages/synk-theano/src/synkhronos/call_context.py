@@ -55,7 +55,7 @@ class CallContext:
         return self.group.size
 
     @property
-    def active(self) -> bool:
+    def has_rows(self) -> bool:
         """Whether this rank has rows in the call (a rank without rows contributes identities)."""
         return self.weight > 0
 

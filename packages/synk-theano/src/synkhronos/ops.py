@@ -393,7 +393,7 @@ class AllGather(Collective):
     def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
         (x,) = arrays
         axis = self.axis % x.ndim
-        block = x if ctx.active else _empty_along(x, axis)
+        block = x if ctx.has_rows else _empty_along(x, axis)
         parts = ctx.group.all_gather(_contiguous(block))
         lengths = [p.shape[axis] for p in parts]
         if even and len(set(lengths)) > 1:
@@ -543,11 +543,11 @@ class AllGatherGrad(_GradOp):
     def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
         x, gy = arrays
         axis = self.axis % x.ndim
-        part = gy if ctx.active else np.zeros_like(gy)
+        part = gy if ctx.has_rows else np.zeros_like(gy)
         summed = ctx.group.all_reduce(_contiguous(part), "sum")
-        length = x.shape[axis] if ctx.active else 0
+        length = x.shape[axis] if ctx.has_rows else 0
         lengths = [int(n[0]) for n in ctx.group.all_gather(np.array([length], dtype=np.int64))]
-        if not ctx.active:
+        if not ctx.has_rows:
             return np.zeros(x.shape, dtype=gy.dtype)
         start = sum(lengths[:ctx.rank])
         index = [slice(None)] * x.ndim
@@ -572,7 +572,7 @@ class BroadcastGrad(_GradOp):
 
     def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
         x, gy = arrays
-        part = gy if ctx.active else np.zeros_like(gy)
+        part = gy if ctx.has_rows else np.zeros_like(gy)
         summed = ctx.group.reduce(_contiguous(part), "sum", root=self.root)
         return summed if ctx.rank == self.root else np.zeros(x.shape, dtype=gy.dtype)
 
