@@ -198,3 +198,23 @@ def test_extra_outputs_come_after_the_loss(ranks, data):
     np.testing.assert_allclose(acc, np.mean(logits0.argmax(1) == yv[:9]))
     with pytest.raises(ValueError, match="empty"):
         train(x_data, y_data, batch=[])
+
+
+def test_the_step_is_one_function_with_the_all_reduce_in_its_graph(ranks, data, reference):
+    """``num_slices=1`` runs ONE Synkhronos function whose graph holds the in-graph all-reduce (the
+    chain of the first design is built only for ``num_slices`` > 1); batches of 1 and 2 rows leave
+    ranks without rows, which still take part and end with the same parameters."""
+    from synkhronos import ops
+
+    train, params = build(updates.sgd, learning_rate=0.1)
+    reducers = [n.op for n in ops.collective_nodes(v for _, v in train.function._spec.updates)]
+    assert reducers and all(op == ops.AllReduce("sum") for op in reducers)
+    x, y, x_data, y_data = data
+    ref, ref_rule = initial_params(), NumpyRule("sgd", learning_rate=0.1)
+    for idx in ([3], [5, 8], [0, 1, 2, 3, 4, 5, 6]):
+        loss = train(x_data, y_data, batch=idx)
+        ref_loss, grads = reference(x[idx], y[idx], ref)
+        ref = ref_rule.step(ref, grads)
+        np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+        assert_every_rank(params, ref, ranks, f"{len(idx)} rows")
+    assert train._sliced is None

@@ -1,7 +1,7 @@
 """Training with Synkhronos: one call per data-parallel step, a small trainer, and checkpoints.
 
 =================================  ===============================================================
-:func:`make_train_function`        gradient, all-reduce and update in one call ->
+:func:`make_train_function`        gradient, all-reduce and update in ONE function ->
                                    :class:`TrainFunction` (``batch=`` / ``batch_s=`` /
                                    ``num_slices=`` as any Synkhronos function)
 :func:`make_eval_function`         named metrics over a whole data set -> :class:`EvalFunction`
@@ -16,11 +16,12 @@ Exact averages
 --------------
 The loss is a mean over the rows of each rank's share, and the shares can differ by a row (a
 batch of 100 over 3 ranks is 34 + 33 + 33).  The training function passes the rank's row count as
-the rule's ``weight`` (see :mod:`synk_lasagne.updates`): each rank writes ``rows * gradient`` and
-``rows`` into the flat gradient, and the update divides the all-reduced sums, so the step is the
-one a single process takes on the whole batch; the loss output is averaged with the same weights
-by Synkhronos.  A rank that gets no rows (a batch smaller than the number of ranks) adds nothing:
-the chain sets its flat gradient to zeros before the all-reduce (``zeros_if_idle``).
+the rule's ``weight`` (see :mod:`synk_lasagne.updates`): each rank's flat gradient holds
+``rows * gradient`` and ``rows``, the step all-reduces it (sum) inside its graph
+(:func:`synkhronos.ops.all_reduce`) and the update divides the sums, so the step is the one a
+single process takes on the whole batch; the loss output is averaged with the same weights by
+Synkhronos.  A rank that gets no rows (a batch smaller than the number of ranks) adds nothing:
+it contributes zeros to the all-reduce, and applies the same update as the others.
 
 Example
 -------
@@ -59,8 +60,8 @@ import numpy as np
 from synk_lasagne import updates as _updates
 from synk_lasagne.updates import RuleUpdates
 
-__all__ = ["EvalFunction", "TrainFunction", "Trainer", "load_checkpoint", "make_eval_function",
-           "make_train_function", "save_checkpoint"]
+__all__ = ["EvalFunction", "TrainFunction", "Trainer", "in_graph_all_reduce_pays", "load_checkpoint",
+           "make_eval_function", "make_train_function", "save_checkpoint"]
 
 Rule = Callable[..., Any]
 """An update rule of :mod:`synk_lasagne.updates` (or one with its signature and return value)."""
@@ -88,13 +89,17 @@ class TrainFunction:
 
     Attributes
     ----------
-    grad_fn : synkhronos.Function
-        Computes the loss (and outputs) and writes each rank's gradient into ``flat_grad``.
-    step_fn : synkhronos.Function
-        Applies the update from the all-reduced ``flat_grad`` in every rank.
+    function : synkhronos.Function
+        The step as ONE Synkhronos function: the loss (and outputs) and its gradient on each
+        rank's rows, the in-graph all-reduce of the flat gradient
+        (:func:`synkhronos.ops.all_reduce`), the update rule (the function's updates).  What a
+        call with ``num_slices=1`` runs (on 2+ GPUs: :attr:`chain`, see
+        :func:`in_graph_all_reduce_pays`): one command, one compiled function per rank.
     chain : synkhronos.Chain
-        ``grad_fn``, the all-reduce of ``flat_grad`` (avg) and ``step_fn`` as one command: what a
-        call runs.
+        The step for ``num_slices`` > 1 (built on first use): ``grad_fn`` accumulates the flat
+        gradient over the slices, the chain all-reduces it (avg) and runs ``step_fn``.
+    grad_fn, step_fn : synkhronos.Function
+        The two functions of :attr:`chain` (built on first use).
     rule : RuleUpdates
         What the update rule returned.
     params : list of shared variables
@@ -104,13 +109,9 @@ class TrainFunction:
         ``"loss"`` then the names of the extra outputs.
     """
 
-    def __init__(self, grad_fn: Any, step_fn: Any, rule: RuleUpdates, params: list[Any],
-                 output_names: list[str], inputs: list[Any], sliceable_shareds: list[Any]) -> None:
-        import synkhronos as synk
-
-        self.grad_fn = grad_fn
-        self.step_fn = step_fn
-        self.chain = synk.chain(grad_fn, all_reduce=rule.flat_grad, op="avg", then=step_fn, zeros_if_idle=True)
+    def __init__(self, function: Any, rule: RuleUpdates, params: list[Any], output_names: list[str],
+                 inputs: list[Any], sliceable_shareds: list[Any], build_sliced: Callable[[], tuple[Any, Any]]) -> None:
+        self.function = function
         self.rule = rule
         self.params = params
         kept = set(params)
@@ -118,10 +119,36 @@ class TrainFunction:
         self.output_names = output_names
         self.inputs = inputs
         self.sliceable_shareds = sliceable_shareds
+        self._build_sliced = build_sliced
+        self._sliced: tuple[Any, Any, Any] | None = None
+
+    def _sliced_step(self) -> tuple[Any, Any, Any]:
+        if self._sliced is None:
+            import synkhronos as synk
+
+            grad_fn, step_fn = self._build_sliced()
+            chain = synk.chain(grad_fn, all_reduce=self.rule.flat_grad, op="avg", then=step_fn, zeros_if_idle=True)
+            self._sliced = (grad_fn, step_fn, chain)
+        return self._sliced
+
+    @property
+    def grad_fn(self) -> Any:
+        """Computes the loss (and outputs) and writes each rank's gradient into ``flat_grad``."""
+        return self._sliced_step()[0]
+
+    @property
+    def step_fn(self) -> Any:
+        """Applies the update from the all-reduced ``flat_grad`` in every rank."""
+        return self._sliced_step()[1]
+
+    @property
+    def chain(self) -> Any:
+        """``grad_fn``, the all-reduce of ``flat_grad`` (avg) and ``step_fn`` as one command."""
+        return self._sliced_step()[2]
 
     @property
     def flat_grad(self) -> Any:
-        """The flat gradient vector (all-reduced once per step)."""
+        """The flat gradient vector of the sliced path (all-reduced once per step)."""
         return self.rule.flat_grad
 
     @property
@@ -142,7 +169,9 @@ class TrainFunction:
         batch_s : as in Synkhronos, optional
             Rows of each rank's sliceable shared variables (selected after the split).
         num_slices : int, optional
-            Accumulate each rank's gradient over this many slices (to bound memory).
+            Accumulate each rank's gradient over this many slices (to bound memory); > 1 runs
+            :attr:`chain` instead of :attr:`function` (as do GPUs, see
+            :func:`in_graph_all_reduce_pays`).
 
         Returns
         -------
@@ -157,11 +186,29 @@ class TrainFunction:
         """
         if _empty(batch):
             raise ValueError("the batch is empty: a training step needs at least one row")
-        out = self.chain(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
+        step = self.function if num_slices == 1 and in_graph_all_reduce_pays() else self.chain
+        out = step(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
         return out[0] if len(self.output_names) == 1 else out
 
     def __repr__(self) -> str:
         return f"<synk_lasagne.TrainFunction of {len(self.params)} params, outputs {self.output_names}>"
+
+
+def in_graph_all_reduce_pays() -> bool:
+    """Whether a training step runs as :attr:`TrainFunction.function` (the in-graph all-reduce)
+    rather than :attr:`TrainFunction.chain`: everywhere but on 2+ real GPUs.
+
+    In CPU mode (and with one rank) the in-graph all-reduce takes the same shared-memory path as
+    the chain's, and one function saves a call and a barrier (``benchmarks/RESULTS.md``).  On GPUs,
+    PyTensor's per-rank JAX programs run it as a host callback -- the gradient through host memory
+    -- while the chain all-reduces GPU to GPU through NCCL, queued behind the gradient: the chain
+    until a function runs as one program over the ranks' devices (``jax_funcify(...,
+    synk_axis=...)``), where the in-graph all-reduce is XLA's own.
+    """
+    from synkhronos.runtime import current
+
+    rt = current()
+    return rt is None or rt.size == 1 or not rt.device.nccl_capable
 
 
 def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any], rule: Rule = _updates.sgd, *,
@@ -170,12 +217,15 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
                         function_kwargs: Mapping[str, Any] | None = None, **hyperparameters: Any) -> TrainFunction:
     """A callable that runs one data-parallel training step: gradient, all-reduce, update.
 
-    Two Synkhronos functions and one collective, chained into one command per call
-    (:func:`synkhronos.chain`): ``grad_fn`` (every rank: the loss and its gradient on its share of
-    the batch, into the flat gradient), the all-reduce of the flat gradient (avg), ``step_fn``
-    (every rank: the same update).  Call it as a Synkhronos function:
-    ``train(x_data, y_data, batch=indices)`` for data in host shared memory, or
-    ``train(batch_s=rows)`` for data scattered into sliceable shared variables.
+    ONE Synkhronos function, one command per call: every rank computes the loss and its gradient
+    on its share of the batch, the flat gradient (``[weight * g, weight]``, see
+    :mod:`synk_lasagne.updates`) is all-reduced INSIDE the graph
+    (``synkhronos.ops.all_reduce(flat, "sum")``), and the update rule, reading the all-reduced
+    gradient, is the function's updates: the same step in every rank.  Call it as a Synkhronos
+    function: ``train(x_data, y_data, batch=indices)`` for data in host shared memory, or
+    ``train(batch_s=rows)`` for data scattered into sliceable shared variables.  With
+    ``num_slices`` > 1 the step runs as a chain (:attr:`TrainFunction.chain`): the gradient
+    accumulated over the slices, then all-reduced, then the update.
 
     Parameters
     ----------
@@ -197,7 +247,7 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         ``inputs[0].shape[0]`` (or ``sliceable_shareds[0].shape[0]``), which makes the step exact
         for any split of the batch; see :mod:`synk_lasagne.updates`.
     function_kwargs : mapping, optional
-        Passed to both :func:`synkhronos.function` calls (e.g. ``{"mode": "FAST_COMPILE"}``).
+        Passed to every :func:`synkhronos.function` call (e.g. ``{"mode": "FAST_COMPILE"}``).
     **hyperparameters
         Passed to ``rule`` (``learning_rate=...``, ``momentum=...``, ``grad_transform=...``).
 
@@ -211,7 +261,15 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         If Synkhronos is not forked.
     TypeError, ValueError
         For bad arguments (as :func:`synkhronos.function` and the rule raise them).
+
+    Notes
+    -----
+    Why ``sum`` and not ``avg``: the flat gradient carries each rank's weight, ``[w_r g_r, w_r]``,
+    and the rule reads ``sum_r w_r g_r / sum_r w_r``, exact for any ``weight``.  (``avg`` would
+    weight each rank by its rows a second time.)  A rank without rows contributes zeros, as
+    every in-graph collective does, and applies the same update as the others.
     """
+    from pytensor.graph.replace import clone_replace
 
     import synkhronos as synk
 
@@ -228,10 +286,18 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         result = RuleUpdates(*result)
     names, extra = _outputs(outputs)
     fkw = dict(function_kwargs or {})
-    grad_fn = synk.function(inputs, outputs=[(loss, "avg"), *extra], bcast_inputs=bcast_inputs,
-                            updates=result.grad_updates, givens=givens, sliceable_shareds=sliceable or None, **fkw)
-    step_fn = synk.function([], updates=list(result.param_updates.items()), **fkw)
-    return TrainFunction(grad_fn, step_fn, result, params, ["loss", *names], inputs, sliceable)
+    common = {"bcast_inputs": bcast_inputs, "givens": givens, "sliceable_shareds": sliceable or None, **fkw}
+    outs = [(loss, "avg"), *extra]
+    ((flat, local_flat, _),) = result.grad_updates
+    targets = list(result.param_updates)
+    stepped = clone_replace(list(result.param_updates.values()), replace={flat: synk.ops.all_reduce(local_flat, "sum")})
+    function = synk.function(inputs, outputs=outs, updates=list(zip(targets, stepped)), **common)
+
+    def build_sliced() -> tuple[Any, Any]:
+        grad_fn = synk.function(inputs, outputs=outs, updates=result.grad_updates, **common)
+        return grad_fn, synk.function([], updates=list(result.param_updates.items()), **fkw)
+
+    return TrainFunction(function, result, params, ["loss", *names], inputs, sliceable, build_sliced)
 
 
 class EvalFunction:

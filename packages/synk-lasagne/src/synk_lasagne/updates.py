@@ -54,10 +54,12 @@ the batch (``x.shape[0]``, what :func:`synk_lasagne.make_train_function` passes)
 is a mean over rows (plus any terms that do not depend on the rows, such as weight decay), this is
 exactly the gradient of the loss over the whole batch, however unevenly the batch splits over the
 ranks.  Without ``weight`` every rank counts the same (Synkhronos 1.0's behaviour: exact only
-when the ranks have equal rows).  A rank with no rows does not run the gradient function and keeps
-its previous ``flat_grad``: make it add nothing, either by chaining the steps with
-``synk.chain(..., zeros_if_idle=True)`` (what ``make_train_function`` does) or by resetting
-``flat_grad`` to zeros after each step.
+when the ranks have equal rows).  The all-reduce may also run inside one function: replace
+``flat_grad`` in ``param_updates`` by ``synkhronos.ops.all_reduce(expression, "sum")`` of the
+``grad_updates`` expression (what :func:`synk_lasagne.make_train_function` does); a rank with no
+rows then contributes zeros.  Run as separate functions, a rank with no rows does not run the
+gradient function and keeps its previous ``flat_grad``: make it add nothing by chaining the steps
+with ``synk.chain(..., zeros_if_idle=True)`` or by resetting ``flat_grad`` to zeros after each step.
 
 Gradient clipping belongs after the all-reduce (the norm of the global gradient): pass
 ``grad_transform=lambda g: total_norm_constraint(g, 5.0)`` to any rule.

@@ -16,6 +16,9 @@ Collectives on shared variables
     :func:`broadcast`, :func:`scatter`, :func:`gather`, :func:`all_gather`, :func:`reduce`,
     :func:`all_reduce`, :func:`set_value`, :func:`get_value`, :func:`get_lengths`,
     :func:`get_shapes`
+In-graph collectives (inside a function's graph: outputs, updates)
+    :mod:`synkhronos.ops`: ``ops.all_reduce``, ``ops.all_gather``, ``ops.broadcast``
+    (imported on first use of ``synk.ops``)
 
 Example
 -------
@@ -55,3 +58,12 @@ __all__ = ["Chain", "Data", "Function", "GroupBrokenError", "SelectionError", "W
            "all_gather", "all_reduce", "broadcast", "chain", "close", "data", "distribute", "fork", "function",
            "gather", "get_lengths", "get_shapes", "get_value", "reduce", "scatter", "set_value"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``synk.ops``: the in-graph collectives, imported on first use."""
+    if name == "ops":
+        import importlib
+
+        return importlib.import_module("synkhronos.ops")
+    raise AttributeError(f"module 'synkhronos' has no attribute {name!r}")

@@ -22,17 +22,18 @@ The plan travels through the group's shared int64 scratch slots -- no pickling o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from synkhronos import call_context
 from synkhronos import outputs as outputs_path
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime
 
-__all__ = ["CallPlan", "SelectionError", "decode", "encode", "execute"]
+__all__ = ["CallPlan", "SelectionError", "compute", "decode", "encode", "execute"]
 
 
 class SelectionError(IndexError, ValueError):
@@ -184,10 +185,30 @@ def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[Any]]:
         # Only each rank knows its sliceable rows: every rank checks them (above), then all meet
         # here, so that no rank computes (and updates) when another rank's check failed.
         rt.group.barrier()
-    if weight == 0:
+    if weight == 0 and not rep.has_collectives:
         return 0.0, []
-    outputs = rep.run(scattered, bcast, sliceable_rows, plan.subset, plan.num_slices, n_rows)
+    outputs = compute(rt, rep, weight, lambda: rep.run(scattered, bcast, sliceable_rows, plan.subset,
+                                                        plan.num_slices, n_rows))
+    if weight == 0:  # it took part in the in-graph collectives and applied its updates; no outputs of its own
+        return 0.0, []
     return weight, outputs
+
+
+def compute(rt: Runtime, rep: Replica, weight: float, run: Callable[[], list[Any]]) -> list[Any]:
+    """``run()`` (this rank's compute of ``rep``), inside the call's context when the graph holds
+    in-graph collectives (:mod:`synkhronos.ops`), until its results are ready: under JAX the
+    collectives run in host callbacks, which must end before this rank's next use of the group."""
+    if not rep.has_collectives:
+        return run()
+    with call_context.running(rt.group, weight) as ctx:
+        try:
+            outputs = run()
+            rep.wait(outputs)
+        except Exception:
+            if ctx.failure is not None:
+                raise ctx.failure from None
+            raise
+    return outputs
 
 
 def share(rt: Runtime, plan: CallPlan) -> list[np.ndarray]:

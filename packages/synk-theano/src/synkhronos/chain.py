@@ -157,7 +157,8 @@ def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
     if rt.size > 1:
         _all_reduce(rt, variables, OPS[op_code], nccl=True)
     if then_fid >= 0:
-        rt.replicas[then_fid].run([], [], None, None, 1, 1)
+        then = rt.replicas[then_fid]
+        calls.compute(rt, then, 1.0, lambda: then.run([], [], None, None, 1, 1))
     return calls.reply(rt, plan, weight, outputs)
 
 

@@ -8,6 +8,8 @@ mode keeps values as numpy arrays in the variables' own containers.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,8 +38,9 @@ class Device:
         """The variable's value in this rank, as a numpy array (no copy where possible)."""
         raise NotImplementedError
 
-    def set(self, var: SharedVariable, value: np.ndarray) -> None:
-        """Set the variable's value in this rank from host memory (copies ``value``)."""
+    def set(self, var: SharedVariable, value: Any) -> None:
+        """Set the variable's value in this rank from host memory (copies ``value``; GPU mode
+        also takes a value already on its GPU)."""
         raise NotImplementedError
 
     def take(self, var: SharedVariable, rows: Any) -> Any:
@@ -57,6 +60,16 @@ class Device:
     def put_update(self, var: SharedVariable, value: Any) -> None:
         """Store a value computed by a compiled function (already in this device's memory)."""
         raise NotImplementedError
+
+    def wait(self, values: Sequence[Any]) -> None:
+        """Return when ``values`` (computed by compiled functions) are ready: JAX arrays (any
+        ``mode="JAX"`` function; JAX dispatches asynchronously) are waited for, numpy ones are."""
+        jax = sys.modules.get("jax")
+        if jax is None:
+            return
+        pending = [v for v in values if isinstance(v, jax.Array)]
+        if pending:
+            jax.block_until_ready(pending)
 
 
 class CpuDevice(Device):

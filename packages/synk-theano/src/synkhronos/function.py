@@ -110,7 +110,8 @@ class Function:
             Rows of each rank's sliceable shared variables, selected after the split.
         num_slices : int, optional
             Each rank computes its rows in this many slices (to save memory), combining outputs
-            and updates over the slices before the ranks combine theirs.
+            and updates over the slices before the ranks combine theirs.  1 for a function whose
+            graph holds in-graph collectives (:mod:`synkhronos.ops`).
 
         Returns
         -------
@@ -124,7 +125,8 @@ class Function:
             a batch of floats or 2-d indices; a bad ``output_subset``.
         ValueError
             Inputs of different lengths without ``batch``; indices out of range; ``batch_s`` on a
-            function without sliceable shareds; ``num_slices`` < 1 or nothing to slice.
+            function without sliceable shareds; ``num_slices`` < 1, nothing to slice, or > 1 with
+            in-graph collectives.
         """
         rt = get_runtime()
         subset = self._subset(output_subset)
@@ -230,6 +232,9 @@ class Function:
         spec = self._spec
         if not isinstance(num_slices, (int, np.integer)) or isinstance(num_slices, bool) or num_slices < 1:
             raise ValueError(f"num_slices must be an int >= 1, got {num_slices!r}")
+        if num_slices > 1 and self._replica.has_collectives:
+            raise ValueError("this function's graph holds in-graph collectives (synkhronos.ops), which run once per "
+                             "call in every rank: call it with num_slices=1")
         if num_slices > 1 and not spec.inputs and not spec.sliceable:
             raise ValueError("num_slices > 1 needs something to slice: this function has no scattered "
                              "inputs and no sliceable_shareds")
@@ -401,8 +406,9 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
     bcast_inputs : list of variables, optional
         Given whole to every rank.
     updates : list of (shared, expr) or (shared, expr, op), or a dict, optional
-        Applied locally in each rank (nothing is communicated); ``op`` (default ``"avg"``)
-        combines an update over slices when ``num_slices`` > 1.
+        Applied locally in each rank (nothing is communicated unless the graph asks, with the
+        in-graph collectives of :mod:`synkhronos.ops`); ``op`` (default ``"avg"``) combines an
+        update over slices when ``num_slices`` > 1.
     givens : as in PyTensor, optional
     sliceable_shareds : list of shared variables, optional
         Shared variables that hold data (subject to ``batch_s`` and slicing).
@@ -420,8 +426,8 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
     TypeError
         For arguments of the wrong form.
     ValueError
-        For an unknown reduce op, a scalar scattered input, or a sliceable shared that the
-        function does not use.
+        For an unknown reduce op, a scalar scattered input, a sliceable shared that the
+        function does not use, or an in-graph ``broadcast`` whose root is not a rank.
     """
     from pytensor.compile.sharedvalue import SharedVariable
     from pytensor.graph.basic import Variable
@@ -461,6 +467,10 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
                         outputs=outs, output_ops=output_ops, single_output=single, updates=pairs,
                         update_ops=update_ops, givens=given_pairs, sliceable=sliceable, kwargs=kwargs)
     replica = Replica(spec, rt.device)
+    if replica.has_collectives:
+        from synkhronos.ops import check_group
+
+        check_group(replica.collectives, rt.size)
     used = set(replica.full().get_shared())
     for var in sliceable:
         if var not in used:

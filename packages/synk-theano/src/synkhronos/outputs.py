@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from synkhronos.reduce_ops import common_shape
+from synkhronos.reduce_ops import common_shape, contribution
 from synkhronos.runtime import Runtime
 
 __all__ = ["MIN_BYTES", "choose", "chosen", "reduce_on_device"]
@@ -89,11 +89,11 @@ def reduce_on_device(rt: Runtime, weight: float, outputs: Sequence[Any], ops: Se
     for i in positions:
         op, dtype = ops[i], np.dtype(variables[i].type.dtype)
         shape = common_shape(op, [s for r in range(rt.size) if (s := shapes[r][i]) is not None], f"output {i}")
-        value = outputs[i] if outputs else _stand_in(rt, op, shape, dtype)
-        if not rt.device.nccl_capable:
+        xp = rt.device.xp if rt.device.nccl_capable else np
+        value = outputs[i] if outputs and weight > 0 else None
+        if value is not None and xp is np:
             value = np.asarray(value)
-        if op == "avg":
-            value = value * np.asarray(weight / total, dtype=dtype)
+        value = contribution(op, value, weight, total, shape, dtype, xp=xp)
         combined = rt.group.reduce(value, "sum" if op == "avg" else op)
         if combined is not None:
             results[i] = np.asarray(combined, dtype=dtype)
@@ -117,17 +117,3 @@ def _exchange(rt: Runtime, weight: float, outputs: Sequence[Any], positions: lis
             j += 1 + ndim
         shapes.append(seen)
     return shapes, np.array([row[0] for row in table], dtype=np.float64)
-
-
-def _stand_in(rt: Runtime, op: str, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    """What a rank without rows contributes: the op's identity."""
-    fill: Any
-    if op in ("avg", "sum"):
-        fill = 0
-    elif op == "prod":
-        fill = 1
-    elif dtype.kind == "f":
-        fill = -np.inf if op == "max" else np.inf
-    else:
-        fill = np.iinfo(dtype).min if op == "max" else np.iinfo(dtype).max
-    return rt.device.xp.full(shape, fill, dtype=dtype)

@@ -15,6 +15,13 @@ gather     concatenation along axis 0 in rank order (0-d values stack to shape `
 
 A rank with weight 0 (no rows) computed nothing and is left out.  Within a rank, ``num_slices``
 slices combine by the same rules, each weighted by its rows, before the ranks combine.
+
+When the ranks combine through a collective instead of in the master (large outputs in GPU mode,
+:mod:`synkhronos.outputs`; the in-graph collectives of :mod:`synkhronos.ops`), each rank puts in
+its :func:`contribution` and the collective applies the op (``avg`` as a sum):
+``avg``: ``y_r * (w_r / sum_r w_r)``; the others ``y_r`` itself; a rank of weight 0 puts in the
+op's :func:`identity` (0, 1, the lowest or the highest value), selected, never multiplied, so
+that a NaN computed on no rows cannot leak into the result.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["OUTPUT_OPS", "UPDATE_OPS", "check_op", "combine", "common_shape"]
+__all__ = ["OUTPUT_OPS", "UPDATE_OPS", "check_op", "combine", "common_shape", "contribution", "identity"]
 
 OUTPUT_OPS = ("avg", "sum", "prod", "max", "min", "gather")
 UPDATE_OPS = ("avg", "sum", "prod", "max", "min")
@@ -83,3 +90,35 @@ def combine(op: str, values: Sequence[Any], weights: Sequence[float], xp: Any = 
     for v, _ in parts[1:]:
         out = binary(out, v)
     return xp.asarray(out, dtype=first.dtype)
+
+
+def identity(op: str, dtype: Any) -> Any:
+    """The value that leaves ``op`` unchanged: 0 (avg, sum), 1 (prod), the lowest value of
+    ``dtype`` (max: -inf for floats) or its highest (min)."""
+    dtype = np.dtype(dtype)
+    if op in ("avg", "sum"):
+        return dtype.type(0)
+    if op == "prod":
+        return dtype.type(1)
+    if dtype.kind == "f":
+        return dtype.type(-np.inf if op == "max" else np.inf)
+    if dtype.kind == "b":
+        return np.bool_(op != "max")
+    info = np.iinfo(dtype)
+    return dtype.type(info.min if op == "max" else info.max)
+
+
+def contribution(op: str, value: Any, weight: float, total: float, shape: tuple[int, ...] | None = None,
+                 dtype: Any = None, xp: Any = np) -> Any:
+    """What a rank of weight ``weight`` (of ``total`` over the ranks) puts into a collective that
+    combines by ``op`` (``avg`` travels as a sum: see the module docstring).
+
+    ``value`` may be None for a rank that computed nothing; then ``shape`` and ``dtype`` say what
+    to fill.  A rank of weight 0 puts in :func:`identity`, whatever its value holds.
+    """
+    if weight == 0 or value is None:
+        dtype = np.dtype(dtype if dtype is not None else value.dtype)
+        return xp.full(tuple(shape if shape is not None else value.shape), identity(op, dtype), dtype=dtype)
+    if op == "avg":
+        return value * xp.asarray(weight / total, dtype=value.dtype)
+    return value

@@ -20,6 +20,7 @@ subset is a function of its own, compiled on first use and cached):
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -47,6 +48,28 @@ class Replica:
         self._parts: dict[Subset, Any] = {}
         self._selected: dict[tuple[Subset, int], Any] = {}
         self.compile_seconds = 0.0
+        self._collectives: list[Any] | None = None
+
+    @property
+    def collectives(self) -> list[Any]:
+        """The nodes of in-graph collectives (:mod:`synkhronos.ops`) in the function's graph."""
+        if self._collectives is None:
+            ops = sys.modules.get("synkhronos.ops")  # not imported: no graph can hold its ops
+            spec = self.spec
+            graph = [*spec.outputs, *(e for _, e in spec.updates), *(v for _, v in spec.givens)]
+            self._collectives = ops.collective_nodes(graph) if ops is not None else []
+        return self._collectives
+
+    @property
+    def has_collectives(self) -> bool:
+        """Whether a call of this function communicates from inside its graph: then every rank
+        computes, even one without rows, in one slice."""
+        return bool(self.collectives)
+
+    def wait(self, outputs: Sequence[Any]) -> None:
+        """Until ``outputs`` and the updated shared values are computed (GPU mode: JAX dispatches
+        asynchronously)."""
+        self.device.wait([*outputs, *(var.container.storage[0] for var, _ in self.spec.updates)])
 
     def output_variables(self, subset: Subset) -> list[Any]:
         """The outputs of a call with ``subset``, in the call's order."""
@@ -169,16 +192,17 @@ class Replica:
         weights: list[int] = []
         streams = [j for j, (var, _) in enumerate(spec.updates) if _is_random_state(var)]
         for chunk in np.array_split(positions, num_slices):
-            if len(chunk) == 0:
+            if len(chunk) == 0 and not self.has_collectives:
                 continue
-            lo, hi = int(chunk[0]), int(chunk[-1]) + 1
-            xs = [x[lo:hi] for x in scattered]
+            lo, hi = (int(chunk[0]), int(chunk[-1]) + 1) if len(chunk) else (0, 0)  # a rank without rows
+            xs = [x[lo:hi] for x in scattered]                                       # still meets the collectives
             selections = [_subrows(rows, lo, hi) for rows in sliceable_rows]
-            if in_function and isinstance(selections[0], slice):
+            if in_function and isinstance(selections[0], slice) and hi > lo:
                 starts = [np.int32(sel.start) for sel in selections]
                 outs = self.selected(subset, hi - lo)(*xs, *bcast, *wholes, *starts)
-            elif in_function:  # batch_s indices: the same for every sliceable variable
-                outs = self.selected(subset, 0)(*xs, *bcast, *wholes, np.asarray(selections[0], dtype=np.int32))
+            elif in_function:  # batch_s indices: the same for every sliceable variable (or no rows)
+                rows = selections[0] if hi > lo else np.empty(0, dtype=np.int32)
+                outs = self.selected(subset, 0)(*xs, *bcast, *wholes, np.asarray(rows, dtype=np.int32))
             else:
                 ss = [device.take(var, sel) for var, sel in zip(spec.sliceable, selections)]
                 outs = self.parts(subset)(*xs, *bcast, *ss)
@@ -188,13 +212,16 @@ class Replica:
             weights.append(hi - lo)
         if not outs_per_slice:
             return []
-        outputs = _declared([combine(ops[i], [o[i] for o in outs_per_slice], weights, xp=device.xp)
-                             for i in range(n_out)], self.output_variables(subset))
+
+        def combined(op: str, values: list[Any]) -> Any:  # one slice of no rows (collectives): as it is
+            return values[0] if weights == [0] else combine(op, values, weights, xp=device.xp)
+
+        outputs = _declared([combined(ops[i], [o[i] for o in outs_per_slice]) for i in range(n_out)],
+                            self.output_variables(subset))
         for j, (var, _) in enumerate(spec.updates):  # combined where they live (GPU: no host round trip)
             if j in streams:
                 continue
-            value = combine(spec.update_ops[j], [o[n_out + j] for o in outs_per_slice], weights, xp=device.xp)
-            device.put_update(var, value)
+            device.put_update(var, combined(spec.update_ops[j], [o[n_out + j] for o in outs_per_slice]))
         return outputs
 
 

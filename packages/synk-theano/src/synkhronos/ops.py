@@ -1,0 +1,706 @@
+"""In-graph collectives: combine values over the ranks INSIDE a Synkhronos function's graph.
+
+=====================================  ============================================================
+:func:`all_reduce` ``(x, op="sum")``   every rank gets ``op`` over every rank's ``x``
+                                       (``"sum"``, ``"avg"`` weighted by rows, ``"max"``,
+                                       ``"min"``, ``"prod"``)
+:func:`all_gather` ``(x, axis=0)``     every rank gets every rank's ``x`` concatenated along
+                                       ``axis`` in rank order (lengths along ``axis`` may differ)
+:func:`broadcast` ``(x, root=0)``      every rank gets rank ``root``'s ``x``
+=====================================  ============================================================
+
+Synkhronos applies a function's updates locally in each rank, and nothing is communicated
+unless the user asks (the rule of Synkhronos 1.0).  Outside a function one asks with the
+collectives on shared variables (:func:`synkhronos.all_reduce` ...), each a command of its own;
+these ops are how one asks INSIDE a function: in its outputs, in its update expressions, at any
+point of the graph.  A data-parallel training step becomes one function -- gradient, all-reduce,
+update rule -- and one call::
+
+    grads = pytensor.grad(loss, params)                    # loss: a mean over this rank's rows
+    updates = [(p, p - lr * ops.all_reduce(g, "avg")) for p, g in zip(params, grads)]
+    step = synk.function([x, y], outputs=loss, updates=updates)
+
+Semantics
+---------
+* In a call of a Synkhronos function every rank's value combines with the ranks of the call
+  (all the run's ranks, always all: a collective that some rank skipped would wait forever, so a
+  rank without rows computes too, see below).
+* ``"avg"`` is weighted by each rank's rows in the call, the weights of the output reduction
+  ``avg`` (:mod:`synkhronos.reduce_ops`): ``sum_r w_r x_r / sum_r w_r``.  The all-reduced
+  gradient of a loss that is a mean over rows is therefore exactly the full-batch gradient,
+  however unevenly the batch splits.
+* A rank with no rows in the call (a batch smaller than the number of ranks, an empty
+  ``batch_s``) still runs the function -- on zero rows -- and takes part in every collective: it
+  contributes the op's identity (weight 0 for avg, 0 for sum, 1 for prod, the lowest / highest
+  value for max / min; selected, so that the NaN of a mean over no rows cannot leak), an empty
+  block to ``all_gather``, and receives the result and applies its updates like the others.  Its
+  outputs are left out of the call's output reduction.
+* In a plain ``pytensor.function``, and in the master outside a call (``as_theano``), there is
+  one rank: every op is the identity (``all_reduce(x, op) == x`` for every op, avg included).
+* Collectives run in the graph's order, the same in every rank; do not put one in a branch
+  (``ifelse``) that some ranks skip.  A call with collectives runs in one slice
+  (``num_slices=1``): a collective per slice would not mean what the graph says.
+
+Gradients
+---------
+``pytensor.grad`` goes through every op (rank ``s`` holds ``x_s``, every rank gets ``y``, and
+``g_r`` is the gradient reaching rank ``r``'s ``y``; sums over the ranks with rows):
+
+* ``all_reduce`` sum: ``dL/dx_s = sum_r g_r``, the all-reduce (sum) of the gradient;
+* avg: ``y = sum_r w_r x_r / W`` so ``dy/dx_s = w_s / W``: ``dL/dx_s = (w_s / W) sum_r g_r``;
+* max / min: ``sum_r g_r`` where ``x_s`` holds the extreme, 0 elsewhere; on a tie EVERY rank
+  holding the extreme gets the whole gradient (PyTensor's ``max`` does the same along an axis);
+* prod: ``sum_r g_r * prod_{r' != s} x_r'`` (exact where some ``x`` are zero);
+* ``all_gather``: rank ``s``'s block of the all-reduce (sum) of the gradient;
+* ``broadcast``: the root gets ``sum_r g_r``, the other ranks zero.
+
+A rank without rows gets a zero gradient.  Second derivatives through these ops are not
+implemented.
+
+Execution
+---------
+PyTensor's default backends (C, Numba, Python) run each op's ``perform``, which calls the
+group's shared-memory collectives (:mod:`synk_comm`) when a call is in progress in the process
+(:mod:`synkhronos.call_context`).  Under ``mode="JAX"`` an op becomes a host callback
+(``jax.experimental.io_callback``, ordered: correct, with a round trip through host memory), or,
+when the function is translated with ``jax_funcify(fgraph, synk_axis=<mesh axis name>)`` (a
+program over a mesh of the ranks' devices, ``shard_map``), a collective of the program itself:
+``jax.lax.psum``, ``pmax``, ``pmin``, ``all_gather(tiled=True)``, ``psum_scatter``; there every
+rank holds the same number of rows, and ``avg`` is ``psum(x) / axis_size``.  Under JAX a host
+callback's result shape is fixed when the function is traced, so ``all_gather`` needs the same
+length along ``axis`` in every rank (a clear error otherwise).
+
+Example
+-------
+>>> import numpy as np, pytensor, pytensor.tensor as pt
+>>> from synkhronos import ops
+>>> x = pt.vector("x")
+>>> f = pytensor.function([x], [ops.all_reduce(x, "avg"), ops.all_gather(x), ops.broadcast(x)])
+>>> [v.tolist() for v in f(np.array([1.0, 2.0]))]      # one process: one rank, the identity
+[[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]]
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
+
+import numpy as np
+from pytensor.graph.basic import Apply, Variable
+from pytensor.graph.op import Op
+
+from synkhronos import call_context
+from synkhronos.call_context import CallContext
+from synkhronos.reduce_ops import UPDATE_OPS, check_op, contribution
+
+__all__ = ["REDUCE_OPS", "AllGather", "AllReduce", "Broadcast", "Collective", "all_gather", "all_reduce",
+           "broadcast", "collective_nodes", "check_group"]
+
+REDUCE_OPS = UPDATE_OPS
+"""The ops of :func:`all_reduce`: ``"avg"``, ``"sum"``, ``"prod"``, ``"max"``, ``"min"``."""
+
+
+# --- what users call ------------------------------------------------------------------------------
+
+def all_reduce(x: Any, op: str = "sum") -> Variable:
+    """Every rank gets ``op`` over every rank's ``x``: ``y = x_0 op x_1 op ... op x_{n-1}``.
+
+    Parameters
+    ----------
+    x : tensor-like
+        This rank's value; the same shape and dtype in every rank (not bool).
+    op : {"sum", "avg", "max", "min", "prod"}
+        ``"avg"`` is ``sum_r w_r x_r / sum_r w_r`` with ``w_r`` rank ``r``'s rows in the call
+        (floating or complex ``x`` only): the mean of per-row means, weighted as one process
+        would weight them.  ``"max"``/``"min"``: element-wise (not complex).
+
+    Returns
+    -------
+    TensorVariable
+        ``x``'s type.  In a plain ``pytensor.function`` (one rank): ``x`` itself, for every op.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``op`` (when the graph is built).
+    TypeError
+        For ``avg`` of integers, ``max``/``min`` of complex numbers, or bool ``x``.
+
+    Notes
+    -----
+    A rank without rows in the call contributes the op's identity (weight 0 for ``avg``, 0, 1,
+    the lowest or the highest value).  Gradient: the all-reduce (sum) of the output's gradient,
+    times ``w_s / W`` for ``avg`` (``d(sum_r w_r x_r / W)/dx_s = w_s / W``), masked to the ranks
+    holding the extreme for ``max``/``min`` (ties: each such rank gets all of it).
+
+    Examples
+    --------
+    The full-batch gradient from every rank's share, exactly, however the batch splits:
+
+    >>> grads = [ops.all_reduce(g, "avg") for g in pytensor.grad(mean_loss, params)]  # doctest: +SKIP
+    """
+    return cast(Variable, AllReduce(op)(x))
+
+
+def all_gather(x: Any, axis: int = 0) -> Variable:
+    """Every rank gets every rank's ``x`` concatenated along ``axis``, in rank order.
+
+    Parameters
+    ----------
+    x : tensor-like
+        This rank's block, at least 1-d; its length along ``axis`` may differ from the other
+        ranks' (default backends), its other dimensions may not.
+    axis : int
+        The axis to concatenate along (negative counts from the end).
+
+    Returns
+    -------
+    TensorVariable
+        ``x``'s dtype and ndim; its length along ``axis`` is the sum of the ranks' lengths.  In a
+        plain ``pytensor.function``: ``x`` itself.
+
+    Raises
+    ------
+    TypeError
+        If ``axis`` is not an int.
+    ValueError
+        For a 0-d ``x`` (stack scalars with ``all_gather(x[None])``) or an axis out of range,
+        when the graph is built; in a call, from every rank, if the ranks' blocks differ beyond
+        ``axis`` (the group stays usable).
+
+    Notes
+    -----
+    A rank without rows contributes nothing (an empty block).  Under ``mode="JAX"`` every rank
+    must hold the same length along ``axis``.  Gradient: this rank's block of the all-reduce
+    (sum) of the output's gradient.
+    """
+    return cast(Variable, AllGather(axis)(x))
+
+
+def broadcast(x: Any, root: int = 0) -> Variable:
+    """Every rank gets rank ``root``'s ``x``.
+
+    Parameters
+    ----------
+    x : tensor-like
+        This rank's value (only the root's is used); the same shape in every rank.
+    root : int
+        The rank whose value every rank gets (0 is the master).
+
+    Returns
+    -------
+    TensorVariable
+        ``x``'s type.  In a plain ``pytensor.function``: ``x`` itself.
+
+    Raises
+    ------
+    ValueError
+        For a negative ``root``, or one not below the group's size (when the graph is built, if
+        Synkhronos is forked, else when :func:`synkhronos.function` is); in a call, in the
+        ranks whose ``x`` has another shape than the root's.
+
+    Notes
+    -----
+    Gradient: the root gets the sum over the ranks of the output's gradient, the others zero.
+    """
+    return cast(Variable, Broadcast(root)(x))
+
+
+# --- finding them in a graph ----------------------------------------------------------------------
+
+def collective_nodes(variables: Iterable[Any]) -> list[Apply]:
+    """The nodes of these ops that ``variables`` depend on (an empty list when none)."""
+    found, seen = [], set()
+    stack = [v for v in variables if isinstance(v, Variable)]
+    while stack:
+        node = stack.pop().owner
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node.op, Collective):
+            found.append(node)
+        stack.extend(node.inputs)
+    return found
+
+
+def check_group(nodes: Iterable[Apply], size: int) -> None:
+    """Refuse a graph that cannot run in a group of ``size`` ranks (a broadcast root >= size).
+
+    Raises
+    ------
+    ValueError
+        Naming the op and the group's size.
+    """
+    for node in nodes:
+        root = getattr(node.op, "root", None)
+        if root is not None:
+            _check_root(root, size)
+
+
+def _check_root(root: int, size: int) -> None:
+    if root >= size:
+        raise ValueError(f"broadcast(root={root}) in a group of {size} ranks: root must be a rank in [0, {size})")
+
+
+# --- the ops ----------------------------------------------------------------------------------------
+
+class Collective(Op):
+    """What every in-graph collective shares: identity outside a call, the group's collective in
+    one, never constant-folded (its value depends on the other ranks), and its JAX forms.
+
+    Subclasses fill in :meth:`identity`, :meth:`host` (numpy, in a call of several ranks) and
+    :meth:`in_program` (JAX, over a mesh axis)."""
+
+    __props__: tuple[str, ...] = ()
+    # infer_shape(*args): PyTensor before 3.3 passes (fgraph, node, input_shapes), 3.3 on (node, input_shapes)
+
+    def do_constant_folding(self, fgraph: Any, node: Apply) -> bool:
+        """Never: the value depends on the other ranks, even for constant inputs."""
+        return False
+
+    def perform(self, node: Apply, inputs: Sequence[Any], output_storage: list[list[Any]]) -> None:
+        """PyTensor's default backends: :meth:`compute` on the input arrays."""
+        output_storage[0][0] = np.asarray(self.compute(*inputs), dtype=node.outputs[0].type.dtype)
+
+    def compute(self, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        """The op's value in this process: the identity, or the group's collective in a call.
+        ``even``: every rank must hold the same shape (the JAX host callback's fixed shapes)."""
+        ctx = call_context.active()
+        if ctx is None or ctx.size == 1:
+            return self.identity(*arrays)
+        try:
+            return self.host(ctx, *arrays, even=even)
+        except Exception as exc:  # raised again as it is by the call path (JAX would wrap it)
+            ctx.failure = exc
+            raise
+
+    def identity(self, *arrays: np.ndarray) -> np.ndarray:
+        """The value with one rank (a new array: an op's output never aliases its input)."""
+        return np.array(arrays[-1], copy=True)
+
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        raise NotImplementedError
+
+    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+        """The op as a JAX function over the mesh axis ``axis_name`` (inside ``shard_map``)."""
+        raise NotImplementedError
+
+    def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
+        """The output's shape from the inputs' (JAX host callback; ``size`` ranks in the call)."""
+        return shapes[-1]
+
+
+class AllReduce(Collective):
+    """``all_reduce(x, op)`` (see :func:`all_reduce`)."""
+
+    __props__ = ("op",)
+
+    def __init__(self, op: str = "sum") -> None:
+        self.op = check_op(op, "all_reduce", REDUCE_OPS)
+
+    def make_node(self, x: Any) -> Apply:  # type: ignore[override]
+        import pytensor.tensor as pt
+
+        x = pt.as_tensor_variable(x)
+        kind = np.dtype(x.type.dtype).kind
+        if kind == "b":
+            raise TypeError(f"all_reduce of bool {x}: cast it to an integer dtype first")
+        if self.op == "avg" and kind not in "fc":
+            raise TypeError(f"all_reduce(op='avg') needs a floating or complex dtype, not {x.type.dtype}: use 'sum' "
+                            "and divide, or cast to float first")
+        if self.op in ("max", "min") and kind == "c":
+            raise TypeError(f"all_reduce(op={self.op!r}) of complex {x}: complex numbers have no order")
+        return Apply(self, [x], [x.type()])
+
+    def infer_shape(self, *args: Any) -> list[Any]:
+        return [args[-1][0]]
+
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        (x,) = arrays
+        total = ctx.total_weight() if self.op == "avg" else 1.0
+        if total == 0:  # no rank has rows: a mean over nothing
+            return np.full(x.shape, np.nan, dtype=x.dtype)
+        part = contribution(self.op, _contiguous(x), ctx.weight, total)
+        return ctx.group.all_reduce(part, "sum" if self.op == "avg" else self.op)
+
+    def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
+        import pytensor.tensor as pt
+        from pytensor import config
+
+        (x,), (y,), (g,) = inputs, outputs, output_grads
+        if np.dtype(x.type.dtype).kind not in "fc":
+            return [x.zeros_like(dtype=config.floatX)]
+        summed: Any = AllReduce("sum")(g)
+        share: Any = WeightShare(g.type.dtype)()
+        if self.op == "avg":
+            return [summed * share]
+        active = pt.gt(share, 0)
+        if self.op == "sum":
+            return [pt.switch(active, summed, pt.zeros_like(summed))]
+        if self.op in ("max", "min"):
+            return [pt.switch(pt.and_(active, pt.eq(x, y)), summed, pt.zeros_like(summed))]
+        zero = pt.eq(x, 0)  # prod: the product of the others, exact where some values are zero
+        nonzero = pt.switch(zero, pt.ones_like(x), x)
+        zeros_elsewhere = pt.gt(AllReduce("sum")(pt.cast(zero, "int64")) - pt.cast(zero, "int64"), 0)
+        product: Any = AllReduce("prod")(nonzero)
+        others = pt.switch(zeros_elsewhere, pt.zeros_like(x), product / nonzero)
+        return [pt.switch(active, summed * others, pt.zeros_like(summed))]
+
+    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+        import jax
+        import jax.numpy as jnp
+
+        lax = jax.lax
+        if self.op == "sum":
+            return lambda x: lax.psum(x, axis_name)
+        if self.op == "avg":
+            return lambda x: (lax.psum(x, axis_name) / lax.psum(1, axis_name)).astype(x.dtype)
+        if self.op == "max":
+            return lambda x: lax.pmax(x, axis_name)
+        if self.op == "min":
+            return lambda x: lax.pmin(x, axis_name)
+        # prod: every rank's value, multiplied in rank order (exact, as the host path does)
+        return lambda x: jnp.prod(lax.all_gather(x, axis_name), axis=0).astype(x.dtype)
+
+
+class AllGather(Collective):
+    """``all_gather(x, axis)`` (see :func:`all_gather`)."""
+
+    __props__ = ("axis",)
+
+    def __init__(self, axis: int = 0) -> None:
+        if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+            raise TypeError(f"all_gather: axis must be an int, got {axis!r}")
+        self.axis = int(axis)
+
+    def make_node(self, x: Any) -> Apply:  # type: ignore[override]
+        import pytensor.tensor as pt
+
+        x = pt.as_tensor_variable(x)
+        if x.type.ndim == 0:
+            raise ValueError(f"all_gather of 0-d {x}: there is no axis to concatenate; gather x[None] to stack "
+                             "the ranks' scalars")
+        if not -x.type.ndim <= self.axis < x.type.ndim:
+            raise ValueError(f"all_gather: axis {self.axis} is out of range for {x} of ndim {x.type.ndim}")
+        axis = self.axis % x.type.ndim
+        shape = tuple(None if i == axis else s for i, s in enumerate(x.type.shape))
+        return Apply(self, [x], [x.type.clone(shape=shape)()])
+
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        (x,) = arrays
+        axis = self.axis % x.ndim
+        block = x if ctx.has_rows else _empty_along(x, axis)
+        parts = ctx.group.all_gather(_contiguous(block))
+        lengths = [p.shape[axis] for p in parts]
+        if even and len(set(lengths)) > 1:
+            raise ValueError(f"all_gather along axis {axis} under mode='JAX': the ranks hold lengths {lengths}; a "
+                             "JAX function's shapes are fixed when it is traced, so every rank must hold the same "
+                             "length (or compile with PyTensor's default backend)")
+        kept = [p for p in parts if p.shape[axis] > 0] or [block]
+        beyond = [p.shape[:axis] + p.shape[axis + 1:] for p in kept]
+        if len(set(beyond)) > 1:
+            raise ValueError(f"all_gather along axis {axis}: the ranks' blocks have shapes {[p.shape for p in parts]}; "
+                             f"they may differ along axis {axis} only")
+        return np.concatenate(kept, axis=axis)
+
+    def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
+        return [AllGatherGrad(self.axis)(inputs[0], output_grads[0])]
+
+    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+        import jax
+
+        axis = self.axis % node.inputs[0].type.ndim
+        return lambda x: jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+    def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
+        shape = list(shapes[0])
+        shape[self.axis % len(shape)] *= size
+        return tuple(shape)
+
+
+class Broadcast(Collective):
+    """``broadcast(x, root)`` (see :func:`broadcast`)."""
+
+    __props__ = ("root",)
+
+    def __init__(self, root: int = 0) -> None:
+        if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or root < 0:
+            raise ValueError(f"broadcast: root must be a rank (an int >= 0), got {root!r}")
+        self.root = int(root)
+
+    def make_node(self, x: Any) -> Apply:  # type: ignore[override]
+        import pytensor.tensor as pt
+
+        from synkhronos.runtime import current
+
+        x = pt.as_tensor_variable(x)
+        rt = current()
+        if rt is not None:
+            _check_root(self.root, rt.size)
+        return Apply(self, [x], [x.type()])
+
+    def infer_shape(self, *args: Any) -> list[Any]:
+        return [args[-1][0]]
+
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        (x,) = arrays
+        _check_root(self.root, ctx.size)
+        if ctx.rank == self.root:
+            ctx.group.broadcast(_contiguous(x), root=self.root)
+            return np.array(x, copy=True)
+        value = ctx.group.broadcast(None, root=self.root)
+        if value.shape != x.shape:
+            raise ValueError(f"broadcast(root={self.root}): rank {ctx.rank} holds shape {x.shape}, the root "
+                             f"{value.shape}; every rank must hold the same shape")
+        return value
+
+    def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
+        return [BroadcastGrad(self.root)(inputs[0], output_grads[0])]
+
+    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+        import jax
+        import jax.numpy as jnp
+
+        lax, root = jax.lax, self.root
+        if np.dtype(node.inputs[0].type.dtype).kind == "b":
+            return lambda x: lax.all_gather(x, axis_name)[root]
+        return lambda x: lax.psum(jnp.where(lax.axis_index(axis_name) == root, x, jnp.zeros_like(x)), axis_name)
+
+
+# --- what their gradients need ----------------------------------------------------------------------
+
+class WeightShare(Collective):
+    """This rank's share of the call's rows, ``w_s / sum_r w_r``, as a scalar of ``dtype`` (1 with
+    one rank): the factor of ``all_reduce(x, "avg")``'s gradient."""
+
+    __props__ = ("dtype",)
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = str(dtype)
+
+    def make_node(self) -> Apply:  # type: ignore[override]
+        import pytensor.tensor as pt
+
+        return Apply(self, [], [pt.scalar(dtype=self.dtype)])
+
+    def identity(self, *arrays: np.ndarray) -> np.ndarray:
+        return np.asarray(1, dtype=self.dtype)
+
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        return np.asarray(ctx.share(), dtype=self.dtype)
+
+    def infer_shape(self, *args: Any) -> list[Any]:
+        return [()]
+
+    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+        import jax
+        import jax.numpy as jnp
+
+        dtype = self.dtype
+        return lambda: jnp.asarray(1.0 / jax.lax.psum(1, axis_name), dtype=dtype)
+
+    def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
+        return ()
+
+
+class _GradOp(Collective):
+    """A gradient's collective ``(x, gy) -> gx``: ``x`` gives the shape only."""
+
+    def make_node(self, x: Any, gy: Any) -> Apply:  # type: ignore[override]
+        import pytensor.tensor as pt
+
+        x, gy = pt.as_tensor_variable(x), pt.as_tensor_variable(gy)
+        return Apply(self, [x, gy], [x.type.clone(dtype=gy.type.dtype)()])
+
+    def infer_shape(self, *args: Any) -> list[Any]:
+        return [args[-1][0]]
+
+    def connection_pattern(self, node: Apply) -> list[list[bool]]:
+        return [[False], [True]]
+
+    def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
+        from pytensor.gradient import DisconnectedType, grad_not_implemented
+
+        return [DisconnectedType()(), grad_not_implemented(self, 1, inputs[1], "second derivatives through "
+                                                           "synkhronos.ops are not implemented")]
+
+    def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
+        return shapes[0]
+
+
+class AllGatherGrad(_GradOp):
+    """The gradient of :func:`all_gather`: this rank's block of the all-reduce (sum) of ``gy``."""
+
+    __props__ = ("axis",)
+
+    def __init__(self, axis: int) -> None:
+        self.axis = int(axis)
+
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        x, gy = arrays
+        axis = self.axis % x.ndim
+        part = gy if ctx.has_rows else np.zeros_like(gy)
+        summed = ctx.group.all_reduce(_contiguous(part), "sum")
+        length = x.shape[axis] if ctx.has_rows else 0
+        lengths = [int(n[0]) for n in ctx.group.all_gather(np.array([length], dtype=np.int64))]
+        if not ctx.has_rows:
+            return np.zeros(x.shape, dtype=gy.dtype)
+        start = sum(lengths[:ctx.rank])
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, start + length)
+        return summed[tuple(index)]
+
+    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+        import jax
+
+        axis = self.axis % node.inputs[0].type.ndim
+        return lambda x, gy: jax.lax.psum_scatter(gy, axis_name, scatter_dimension=axis, tiled=True)
+
+
+class BroadcastGrad(_GradOp):
+    """The gradient of :func:`broadcast`: the root gets the sum of ``gy`` over the ranks, the
+    others zero."""
+
+    __props__ = ("root",)
+
+    def __init__(self, root: int) -> None:
+        self.root = int(root)
+
+    def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
+        x, gy = arrays
+        part = gy if ctx.has_rows else np.zeros_like(gy)
+        summed = ctx.group.reduce(_contiguous(part), "sum", root=self.root)
+        return summed if ctx.rank == self.root else np.zeros(x.shape, dtype=gy.dtype)
+
+    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+        import jax
+        import jax.numpy as jnp
+
+        lax, root = jax.lax, self.root
+        return lambda x, gy: jnp.where(lax.axis_index(axis_name) == root, lax.psum(gy, axis_name),
+                                       jnp.zeros_like(gy))
+
+
+def _contiguous(x: np.ndarray) -> np.ndarray:
+    """``x`` in C order (a copy only if it is not; 0-d stays 0-d, unlike ``np.ascontiguousarray``)."""
+    x = np.asarray(x)
+    return x if x.flags.c_contiguous else x.copy(order="C")
+
+
+def _empty_along(x: np.ndarray, axis: int) -> np.ndarray:
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(0, 0)
+    return x[tuple(index)]
+
+
+# --- backends: JAX and Numba ----------------------------------------------------------------------
+
+def _jax_function(op: Collective, node: Apply, synk_axis: str | None = None, synk_weight: Any = None,
+                  **kwargs: Any) -> Callable[..., Any]:
+    """The op under ``mode="JAX"``: in the program over ``synk_axis`` when the engine translates
+    the graph with it (``jax_funcify(fgraph, synk_axis=..., synk_weight=...)``; every rank holds
+    the same rows there, so ``synk_weight`` is not needed: avg is ``psum(x) / axis_size``), else a
+    host callback that does what ``perform`` does."""
+    if synk_axis is not None:
+        return op.in_program(synk_axis, node)
+    return _host_callback(op, node)
+
+
+def _host_callback(op: Collective, node: Apply) -> Callable[..., Any]:
+    """The op as an ordered ``io_callback`` to :meth:`Collective.compute` (callbacks run in program
+    order, so every rank meets the collectives in the same order).  Where the function can never
+    run in a call of several ranks (no fork, or a group of one), the identity, without callback."""
+    import jax
+    from jax.experimental import io_callback
+
+    from synkhronos.runtime import current
+
+    out_dtype = node.outputs[0].type.dtype
+
+    def run(*args: Any) -> Any:
+        args = tuple(jax.numpy.asarray(a) for a in args)  # a static shape may come as a Python int
+        ctx = call_context.active()
+        rt = current()
+        size = ctx.size if ctx is not None else 1
+        if size == 1 and (rt is None or rt.size == 1):
+            return jax.numpy.asarray(args[-1]) if args else jax.numpy.asarray(1, dtype=out_dtype)
+        dtype = args[-1].dtype if args else jax.dtypes.canonicalize_dtype(out_dtype)
+        shape = op.jax_shape([tuple(a.shape) for a in args], size)
+        result = jax.ShapeDtypeStruct(shape, dtype)
+
+        def on_host(*arrays: Any) -> np.ndarray:
+            value = np.asarray(op.compute(*(np.asarray(a) for a in arrays), even=True), dtype=dtype)
+            if value.shape != shape:
+                raise ValueError(f"{op} returned shape {value.shape} where its JAX function was traced for "
+                                 f"{shape}: a function traced outside a call of {size} rank(s) (as_theano) "
+                                 "cannot run in one, and the reverse")
+            return value
+
+        return io_callback(on_host, result, *args, ordered=True)
+
+    return run
+
+
+def _register_jax() -> None:
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    jax_funcify.register(Collective)(_jax_function)
+
+
+def _register_numba() -> None:
+    """Under Numba (PyTensor's default backend) ``perform`` runs in object mode, as for any Op
+    without a Numba implementation -- without the warning that says so."""
+    from pytensor.link.numba.dispatch import numba_funcify
+    from pytensor.link.numba.dispatch.basic import generate_fallback_impl
+
+    @numba_funcify.register(Collective)
+    def _numba_function(op: Collective, node: Apply, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Numba will use object mode", category=UserWarning)
+            return generate_fallback_impl(op, node, **kwargs)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Run ``callback`` right after module ``name`` is first imported.
+
+    PyTensor's JAX dispatch imports JAX (more than a second): registering these ops with it must
+    not import it in processes that never compile for JAX (CPU mode's workers)."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, callback = spec.loader, self.callback
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                callback()
+
+        spec.loader = Loader()
+        return spec
+
+
+def _register_when_imported(name: str, callback: Callable[[], None]) -> None:
+    if name in sys.modules:
+        callback()
+    elif importlib.util.find_spec(name.split(".")[0]) is not None:
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+_register_when_imported("pytensor.link.jax.dispatch", _register_jax)
+_register_when_imported("pytensor.link.numba.dispatch", _register_numba)
