@@ -70,6 +70,10 @@ class Chain:
         first = self.first
         subset = first._subset(output_subset)
         rt, _, sids, _ = _prepare(self.shared_vars)  # distributes new functions first
+        if rt.engine is not None:
+            from synkhronos.engine import unavailable
+
+            raise unavailable("synk.chain()")
         if self.then is not None:
             self.then._require_current(rt)
         tail = [-1 if self.then is None else self.then._spec.fid, OPS.index(self.op), int(self.zeros_if_idle),

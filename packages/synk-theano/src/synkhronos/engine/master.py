@@ -1,0 +1,105 @@
+"""The engine's call path in the master: start the call, take the result.
+
+The master computes nothing (it never joins JAX's runtime, see :mod:`synkhronos.engine`): a call
+is one command to the workers (:data:`~synkhronos.engine.worker.CALL`) whose plan the master
+wrote into the scratch slots, then the replies: compute rank 0's combined outputs when the call
+ran as one program, else every rank's share, combined here as the per-rank engine does
+(:func:`synkhronos.reduce_ops.combine`).  A call that runs per rank is logged once per function
+and reason at INFO.
+
+Shared variables: the master holds no value of its own; ``var.get_value()`` reads compute rank
+0's (:func:`read_value`), ``var.set_value(v)`` sets every rank's (:func:`write_value`).  The last
+value read stays in the master's variable, which is what ``get_value`` returns after
+:func:`synkhronos.close` (:func:`settle` reads every value before the workers stop).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from synkhronos import calls
+from synkhronos.engine.program import STACKED, _output_form, per_rank_reason
+from synkhronos.engine.worker import CALL, PROGRAM, VALUE
+from synkhronos.reduce_ops import combine
+from synkhronos.replica import Replica
+from synkhronos.runtime import Runtime, current
+
+__all__ = ["call", "read_value", "settle", "write_value"]
+
+log = logging.getLogger("synkhronos")
+
+_logged: set[tuple[int, str]] = set()
+
+
+def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
+    """Run a planned call on the workers; returns its outputs, combined, in the call's order."""
+    with rt.group.command(CALL):
+        if calls.needs_selection_barrier(rep.spec, plan):
+            rt.group.barrier()  # the workers check their sliceable rows, then meet (calls.execute)
+    replies = rt.group.replies()
+    shares = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
+    ops = rep.output_ops(plan.subset)
+    if int(shares[0][0]) == PROGRAM:
+        dtypes = [np.dtype(v.type.dtype) for v in rep.output_variables(plan.subset)]
+        return [combine(op, list(value), [1.0] * rt.size, what=f"output {i}")
+                if _output_form(op, dtype) == STACKED else value
+                for i, (op, dtype, value) in enumerate(zip(ops, dtypes, shares[0][2:]))]
+    _log_per_rank(rep, plan)
+    weights = [float(s[1]) for s in shares]
+    return [combine(op, [s[2 + i] if len(s) > 2 else np.empty(0) for s in shares], weights, what=f"output {i}")
+            for i, op in enumerate(ops)]
+
+
+def _log_per_rank(rep: Replica, plan: calls.CallPlan) -> None:
+    reason = per_rank_reason(rep, plan) or "its JAX form takes shape arguments"
+    key = (rep.spec.fid, reason)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("synkhronos: %s runs as per-rank programs (not one program over the ranks): %s",
+                 rep.spec.name or f"function {rep.spec.fid}", reason)
+
+
+def _engine_runtime() -> Runtime | None:
+    rt = current()
+    if rt is None or rt.engine is None or rt.group.closed:
+        return None
+    return rt
+
+
+def read_value(var: Any, rank: int = 0) -> np.ndarray:
+    """Compute rank ``rank``'s value of a distributed shared variable (a copy, in host memory).
+
+    Without a running engine (after close, or a worker's death), the value last read."""
+    rt = _engine_runtime()
+    sid = rt.shared_ids.get(var) if rt is not None else None
+    if rt is None or sid is None:
+        return np.array(var.container.storage[0])
+    with rt.group.command(VALUE, ("get", sid, rank)):
+        pass
+    value = rt.group.replies()[rank + 1][0]
+    if rank == 0:
+        var.container.storage[0] = value
+    return np.array(value)
+
+
+def write_value(var: Any, value: np.ndarray) -> None:
+    """Set every compute rank's value of a distributed shared variable."""
+    var.container.storage[0] = np.array(value)
+    rt = _engine_runtime()
+    sid = rt.shared_ids.get(var) if rt is not None else None
+    if rt is not None and sid is not None:
+        with rt.group.command(VALUE, ("set", sid, value)):
+            pass
+
+
+def settle(rt: Runtime) -> None:
+    """Before the workers stop: read every shared variable's value (compute rank 0's) into the
+    master's variable, so that ``get_value`` after :func:`synkhronos.close` returns it."""
+    if rt.engine is None or rt.group.closed:
+        return
+    for var in list(rt.shared_ids):
+        if hasattr(var.type, "dtype"):
+            read_value(var)

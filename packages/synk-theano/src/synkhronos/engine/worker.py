@@ -1,0 +1,113 @@
+"""The engine's call path in a worker: joining the runtime, running calls, reading and setting values.
+
+Command handlers (registered in every process; the workers import this module through
+:mod:`synkhronos.worker`):
+
+* :data:`JOIN` -- the first command of an engine run: join JAX's runtime, make this rank's
+  :class:`~synkhronos.runtime.Runtime` (compute rank = group rank - 1: the master is group rank 0
+  and computes nothing).
+* :data:`CALL` -- a call: the plan is in the shared scratch slots (:mod:`synkhronos.calls`).
+  The one program (:mod:`synkhronos.engine.program`) when the call allows it, else the
+  per-rank program of :mod:`synkhronos.replica`.  Every worker replies ``[form, weight,
+  *outputs]``: ``form`` :data:`PROGRAM` (compute rank 0 alone carries the combined outputs) or
+  :data:`PER_RANK` (each rank its own share, combined by the master).
+* :data:`VALUE` -- read one rank's value of a shared variable, or set every rank's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from synk_comm import Group, handler
+from synkhronos import calls
+from synkhronos.engine import launch
+from synkhronos.engine.device import EngineDevice
+from synkhronos.engine.program import AXIS, Program, per_rank_reason
+from synkhronos.runtime import Runtime, current, set_current
+
+__all__ = ["CALL", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "Ranks"]
+
+log = logging.getLogger("synkhronos")
+
+JOIN = "synkhronos.engine.join"
+CALL = "synkhronos.engine.call"
+VALUE = "synkhronos.engine.value"
+PROGRAM = 1
+PER_RANK = 0
+
+
+class Ranks:
+    """A worker's engine state: the mesh of every rank's device and the compiled programs."""
+
+    def __init__(self, device: Any) -> None:
+        import jax
+        from jax.sharding import Mesh
+
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        self.mesh = Mesh(np.array(devices), (AXIS,))
+        self.device = device
+        self.programs: dict[tuple[int, tuple[int, ...] | None], Program | None] = {}
+
+    def program(self, rt: Runtime, fid: int, subset: tuple[int, ...] | None) -> Program | None:
+        """The function's program for ``subset`` (made on first use); None if its JAX form takes
+        shape arguments (``scalar_shape_inputs``), which one program cannot."""
+        key = (fid, subset)
+        if key not in self.programs:
+            program = Program(rt.replicas[fid], subset, self.mesh)
+            self.programs[key] = None if program.takes_shapes else program
+        return self.programs[key]
+
+
+def _runtime(group: Group) -> Runtime:
+    rt = current()
+    if rt is None or rt.group is not group or rt.engine is None:
+        raise RuntimeError("this worker has not joined the engine's runtime (the JOIN command comes first)")
+    return rt
+
+
+@handler(JOIN)
+def _join(group: Group, payload: tuple[str, bool]) -> None:
+    if group.is_master:
+        return
+    coordinator, on_gpu = payload
+    size = group.size - 1
+    device = launch.join(coordinator, size, group.rank - 1, on_gpu)
+    rt = Runtime(group, EngineDevice(device), engine=Ranks(device))
+    set_current(rt)
+
+
+@handler(CALL)
+def _call(group: Group, _payload: None) -> None:
+    if group.is_master:
+        return
+    rt = _runtime(group)
+    plan = calls.decode(group.scratch, rt.size)
+    rep = rt.replicas[plan.fid]
+    program = None if per_rank_reason(rep, plan) else rt.engine.program(rt, plan.fid, plan.subset)
+    if program is None:
+        weight, outputs = calls.execute(rt, plan)
+        group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
+        return
+    scattered, bcast = calls.rank_inputs(rt, plan)
+    outputs = program(rt.device, scattered, bcast)
+    if rt.rank == 0:
+        total = float(plan.positions[-1][1]) if rep.spec.inputs else float(rt.size)
+        group.reply([np.array(PROGRAM), np.array(total), *(np.asarray(o.addressable_data(0)) for o in outputs)])
+    else:
+        group.reply([np.array(PROGRAM)])
+
+
+@handler(VALUE)
+def _value(group: Group, payload: tuple[str, int, Any]) -> None:
+    if group.is_master:
+        return
+    rt = _runtime(group)
+    action, sid, arg = payload
+    var = rt.shared_var(sid)
+    if action == "get":
+        group.reply([rt.device.get(var)] if rt.rank == arg else [])
+    else:
+        rt.device.set(var, arg)
