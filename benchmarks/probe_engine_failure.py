@@ -64,7 +64,7 @@ def rank_main(rank: int, port: int, phase: str, rec: bool, hb: int, service: str
                                                  [jax.device_put(np.ones((1, 4), np.float32), jax.local_devices()[0])])
     jax.block_until_ready(f(g))
     print(f"READY {rank}", flush=True)
-    if phase == "psum" and rank == 0 or phase == "psum0" and rank == 1:
+    if (phase == "psum" and rank == 0) or (phase == "psum0" and rank == 1):
         try:
             jax.block_until_ready(f(g))  # waits for the victim, which never joins
             print("RESULT psum returned", flush=True)

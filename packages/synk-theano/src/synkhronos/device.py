@@ -36,8 +36,9 @@ class Device:
         """The variable's value in this rank, as a numpy array (no copy where possible)."""
         raise NotImplementedError
 
-    def set(self, var: SharedVariable, value: np.ndarray) -> None:
-        """Set the variable's value in this rank from host memory (copies ``value``)."""
+    def set(self, var: SharedVariable, value: Any) -> None:
+        """Set the variable's value in this rank from host memory (copies ``value``; on a GPU also
+        from an array already there)."""
         raise NotImplementedError
 
     def take(self, var: SharedVariable, rows: Any) -> Any:
@@ -70,7 +71,7 @@ class CpuDevice(Device):
     def get(self, var: SharedVariable) -> np.ndarray:
         return np.asarray(var.get_value(borrow=True))
 
-    def set(self, var: SharedVariable, value: np.ndarray) -> None:
+    def set(self, var: SharedVariable, value: Any) -> None:
         var.set_value(np.array(value, dtype=var.type.dtype, copy=True), borrow=True)
 
     def take(self, var: SharedVariable, rows: Any) -> Any:

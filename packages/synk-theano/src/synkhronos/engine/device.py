@@ -33,7 +33,7 @@ class EngineDevice(GpuDevice):
 
     kind = "engine"
 
-    def __init__(self, device: Any) -> None:  # noqa: D107 - the joined runtime gives the device
+    def __init__(self, device: Any) -> None:
         import jax
 
         self.jax = jax
