@@ -194,6 +194,7 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
     spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu else 200))
     group = synk_comm.start(n_parallel + 1, imports=["synkhronos.worker"], master_rank=0, devices=devices,
                             env=env, scratch_size=scratch, spin_us=spin)
+    group.abort_grace_s = launch.ABORT_GRACE_S
     try:
         group.run(JOIN, (launch.coordinator_address(), on_gpu))
     except BaseException:

@@ -35,7 +35,19 @@ _logged: set[tuple[int, str]] = set()
 
 
 def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
-    """Run a planned call on the workers; returns its outputs, combined, in the call's order."""
+    """Run a planned call on the workers; returns its outputs, combined, in the call's order.
+
+    Raises
+    ------
+    ValueError
+        If the call cannot run as one program and the function's graph holds in-graph collectives
+        (Ops marked ``synk_collective = True``), which only mean something inside the program.
+    """
+    reason = per_rank_reason(rep, plan)
+    if reason is not None and _has_collectives(rep, plan.subset):
+        raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only in one "
+                         f"program over the ranks, and this call cannot run as one: {reason}. Split the rows "
+                         "evenly over the ranks (batch=) and call without num_slices/batch_s")
     with rt.group.command(CALL):
         if calls.needs_selection_barrier(rep.spec, plan):
             rt.group.barrier()  # the workers check their sliceable rows, then meet (calls.execute)
@@ -51,6 +63,11 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
     weights = [float(s[1]) for s in shares]
     return [combine(op, [s[2 + i] if len(s) > 2 else np.empty(0) for s in shares], weights, what=f"output {i}")
             for i, op in enumerate(ops)]
+
+
+def _has_collectives(rep: Replica, subset: tuple[int, ...] | None) -> bool:
+    """Whether the function's graph holds an Op marked ``synk_collective = True``."""
+    return any(getattr(node.op, "synk_collective", False) for node in rep.full(subset).maker.fgraph.apply_nodes)
 
 
 def _log_per_rank(rep: Replica, plan: calls.CallPlan) -> None:

@@ -157,6 +157,7 @@ class Program:
         self.rows = NamedSharding(mesh, P(AXIS))
         self.replicated = NamedSharding(mesh, P())
         self.size = int(mesh.devices.size)
+        self._last: Any = ()
 
     def __call__(self, device: EngineDevice, scattered: list[np.ndarray], bcast: list[Any]) -> list[Any]:
         """Run this rank's part: ``scattered`` its rows, ``bcast`` the broadcast values.  Stores the
@@ -169,6 +170,14 @@ class Program:
                  for b in bcast]
         args += [device.global_value(var, self.replicated) for var in self.shared]
         outs = self.jitted(*args)
+        self._last = outs
         for var, new in zip(self.updated, outs[self.n_out:]):
             device.store(var, new)
         return list(outs[:self.n_out])
+
+    def wait(self) -> None:
+        """Until the last run has finished (its outputs and updated values)."""
+        import jax
+
+        jax.block_until_ready(self._last)
+        self._last = ()

@@ -93,6 +93,9 @@ def _call(group: Group, _payload: None) -> None:
         return
     scattered, bcast = calls.rank_inputs(rt, plan)
     outputs = program(rt.device, scattered, bcast)
+    # Every rank waits for its program: a failure inside it (an error, or a peer gone from a
+    # collective) then surfaces in this call, as the rank's exception.
+    program.wait()
     if rt.rank == 0:
         total = float(plan.positions[-1][1]) if rep.spec.inputs else float(rt.size)
         group.reply([np.array(PROGRAM), np.array(total), *(np.asarray(o.addressable_data(0)) for o in outputs)])
