@@ -27,7 +27,7 @@ from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, current
 
-__all__ = ["call", "read_value", "settle", "write_value"]
+__all__ = ["call", "device_memory", "read_value", "settle", "write_value"]
 
 log = logging.getLogger("synkhronos")
 
@@ -110,6 +110,25 @@ def write_value(var: Any, value: np.ndarray) -> None:
     if rt is not None and sid is not None:
         with rt.group.command(VALUE, ("set", sid, value)):
             pass
+
+
+def device_memory() -> list[dict[str, int]]:
+    """Every compute rank's device memory, in rank order: ``peak_bytes_in_use`` and ``bytes_in_use``
+    as JAX reports them (0 where the device keeps no statistics, e.g. JAX's CPU device).
+
+    Raises
+    ------
+    RuntimeError
+        Without a running JAX engine.
+    """
+    rt = _engine_runtime()
+    if rt is None:
+        raise RuntimeError("device_memory() needs a running JAX engine: synk.fork(..., engine='jax')")
+    with rt.group.command(VALUE, ("memory", 0, None)):
+        pass
+    replies = rt.group.replies()
+    return [{"peak_bytes_in_use": int(replies[r + 1][0][0]), "bytes_in_use": int(replies[r + 1][0][1])}
+            for r in range(rt.size)]
 
 
 def settle(rt: Runtime) -> None:

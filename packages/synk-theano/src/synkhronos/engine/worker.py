@@ -11,7 +11,8 @@ Command handlers (registered in every process; the workers import this module th
   per-rank program of :mod:`synkhronos.replica`.  Every worker replies ``[form, weight,
   *outputs]``: ``form`` :data:`PROGRAM` (compute rank 0 alone carries the combined outputs) or
   :data:`PER_RANK` (each rank its own share, combined by the master).
-* :data:`VALUE` -- read one rank's value of a shared variable, or set every rank's.
+* :data:`VALUE` -- read one rank's value of a shared variable, or set every rank's; or every
+  rank's device memory figures.
 """
 
 from __future__ import annotations
@@ -109,6 +110,10 @@ def _value(group: Group, payload: tuple[str, int, Any]) -> None:
         return
     rt = _runtime(group)
     action, sid, arg = payload
+    if action == "memory":
+        stats = rt.device.device.memory_stats() or {}
+        group.reply([np.array([stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0)], dtype=np.int64)])
+        return
     var = rt.shared_var(sid)
     if action == "get":
         group.reply([rt.device.get(var)] if rt.rank == arg else [])
