@@ -122,7 +122,7 @@ def run_plain(cfg: dict[str, Any], on_device: bool) -> dict[str, float]:
     out: dict[str, float] = {}
     for b in cfg["batches"]:
         xb, yb = (jax.device_put(xs[:b], dev), jax.device_put(ys[:b], dev)) if on_device else (xs[:b], ys[:b])
-        out[str(b)] = timed(lambda: np.asarray(f(xb, yb)), cfg["steps"])
+        out[str(b)] = timed(lambda xb=xb, yb=yb: np.asarray(f(xb, yb)), cfg["steps"])
     out["peak_GiB"] = local_peak() / 2**30
     v = pt.vector("v", dtype="float32")
     g = pytensor.function([v], pt.sum(v), mode="JAX")
@@ -146,7 +146,7 @@ def run_synk(cfg: dict[str, Any], engine: str, use_gpu: bool) -> dict[str, float
     xd, yd = synk.data(xs), synk.data(ys)
     out: dict[str, float] = {}
     for b in cfg["batches"]:
-        out[str(b)] = timed(lambda: f(xd, yd, batch=b), cfg["steps"])
+        out[str(b)] = timed(lambda b=b: f(xd, yd, batch=b), cfg["steps"])
     if engine == "jax":
         from synkhronos.engine.master import device_memory
 
