@@ -8,7 +8,7 @@ service in a separate small process.  ``reinit`` checks whether one process can
 ``jax.distributed.shutdown()`` and ``initialize()`` again.
 
     python benchmarks/probe_engine_failure.py            # every scenario, a table on stdout
-    python benchmarks/probe_engine_failure.py one idle 1 0 100 rank   # one scenario (see SCENARIOS)
+    python benchmarks/probe_engine_failure.py 9 10       # scenarios 9 and 10 of SCENARIOS only
 
 The evidence behind the engine's failure design (docs/guides/gpu.rst, "Engine").
 """
@@ -40,16 +40,11 @@ def rank_main(rank: int, port: int, phase: str, rec: bool, hb: int, service: str
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if rec:
         jax.config.update("jax_enable_recoverability", True)
-    if service == "separate":  # the service runs elsewhere: this process is a client only
-        from jax._src import distributed
-
-        distributed.global_state.service = object()  # so that process 0 does not start one
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank,
-                               heartbeat_timeout_seconds=hb)
-    if service == "separate":
-        from jax._src import distributed
-
-        distributed.global_state.service = None
+    if service == "separate":  # the service runs in another process: this one is a client only
+        _connect_client(rank, port, hb)
+    else:
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank,
+                                   heartbeat_timeout_seconds=hb)
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -72,6 +67,19 @@ def rank_main(rank: int, port: int, phase: str, rec: bool, hb: int, service: str
             print(f"RESULT exception {type(exc).__name__}: {str(exc)[:120]}", flush=True)
     time.sleep(WAIT_AFTER_KILL_S + 20)
     print("RESULT alive (idle)", flush=True)
+
+
+def _connect_client(rank: int, port: int, hb: int) -> None:
+    """What ``jax.distributed.initialize`` does in a process other than 0: the client alone."""
+    from jax._src import distributed
+    from jax._src.lib import _jax  # type: ignore[attr-defined]
+
+    state = distributed.global_state
+    state.coordinator_address = f"127.0.0.1:{port}"
+    state.process_id, state.num_processes = rank, 2
+    state.client = _jax.get_distributed_runtime_client(state.coordinator_address, rank, init_timeout=60,
+                                                       use_compression=True, heartbeat_timeout=hb)
+    state.client.connect()
 
 
 def service_main(port: int, rec: bool, hb: int) -> None:
@@ -172,10 +180,13 @@ def main() -> None:
     print(f"jax {jax.__version__}, python {sys.version.split()[0]}, CPU devices, gloo; survivor's fate after "
           "the victim's SIGKILL")
     print("phase | killed rank | recoverability | heartbeat s | coordination service in | survivor")
-    for phase, victim, rec, hb, service in SCENARIOS:
+    chosen = [int(a) for a in sys.argv[1:]] or range(len(SCENARIOS))
+    for phase, victim, rec, hb, service in [SCENARIOS[i] for i in chosen]:
         fate = scenario(phase, victim, rec, hb, service)
         print(f"{phase} | {victim} | {rec} | {hb} | {'rank 0' if service == 'rank' else 'separate process'} | {fate}",
               flush=True)
+    if sys.argv[1:]:
+        return
     out = subprocess.run([sys.executable, __file__, "reinit"], capture_output=True, text=True,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
     print("shutdown + initialize again in one process: " +

@@ -1,6 +1,8 @@
 """The JAX engine (``synk.fork(..., engine="jax")``): every call one program over the ranks, the
 ranks joined by JAX's multi-process runtime, here on JAX's CPU devices (gloo collectives) in 2 and
 3 worker processes.  References are numpy (how rows split, how parts combine) and plain PyTensor.
+
+Needs JAX (skipped without it): in CI, the 3.12 run of ``nox -s tests`` that installs it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+
+pytest.importorskip("jax")
+
 from synk_engine_ops import RankSum, Stall
 from synk_testutil import TIMEOUT, assert_no_workers_left, combine, own_entries, parts
 
