@@ -111,7 +111,7 @@ def _value(group: Group, payload: tuple[str, int, Any]) -> None:
     rt = _runtime(group)
     action, sid, arg = payload
     if action == "memory":
-        stats = rt.device.device.memory_stats() or {}
+        stats = rt.engine.device.memory_stats() or {}
         group.reply([np.array([stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0)], dtype=np.int64)])
         return
     var = rt.shared_var(sid)
