@@ -172,9 +172,8 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
                  max_n_var: int) -> Runtime:
     """Start the engine's ``n_parallel`` workers (group ranks 1..n; the master is group rank 0) and
     join them into JAX's runtime (:mod:`synkhronos.engine`)."""
-    from synkhronos.engine import launch
+    from synkhronos.engine import JOIN, launch
     from synkhronos.engine.device import HostDevice
-    from synkhronos.engine.worker import JOIN
 
     on_gpu = launch.runs_on_gpu(use_gpu)
     env.update(launch.worker_env(on_gpu))

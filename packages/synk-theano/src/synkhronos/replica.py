@@ -130,6 +130,14 @@ class Replica:
             seen.setdefault(var, None)
         return list(seen)
 
+    @property
+    def uses_random_state(self) -> bool:
+        """Whether a random generator is among the function's shared variables (computed once)."""
+        found = self.__dict__.get("_uses_random_state")
+        if found is None:
+            found = self.__dict__["_uses_random_state"] = any(_is_random_state(v) for v in self.shared_vars())
+        return bool(found)
+
     def settle_updates(self) -> None:
         """After PyTensor applied the updates itself (a one-pass call): in GPU mode, each updated
         value in its variable's declared dtype (see :func:`_declared`).  Every rank must hold the

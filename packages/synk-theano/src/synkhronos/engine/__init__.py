@@ -35,12 +35,21 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ENGINES", "ENV", "choose", "unavailable"]
+__all__ = ["CALL", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "choose", "unavailable"]
 
 ENGINES = ("ranks", "jax")
 """``"ranks"``: one program per rank, glued by the master over shared memory (the first engine);
 ``"jax"``: one program over every rank on JAX's multi-process runtime (this package)."""
 ENV = "SYNK_ENGINE"
+
+# The commands between the master (engine.master) and the workers (engine.worker, their handlers).
+JOIN = "synkhronos.engine.join"
+CALL = "synkhronos.engine.call"
+VALUE = "synkhronos.engine.value"
+PROGRAM = 1
+"""A call's reply form: it ran as one program; compute rank 0 carries the combined outputs."""
+PER_RANK = 0
+"""A call's reply form: it ran per rank; every rank carries its own share."""
 
 
 def choose(engine: str | None) -> str:

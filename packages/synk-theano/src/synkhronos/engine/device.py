@@ -68,6 +68,13 @@ class HostDevice(CpuDevice):
 
     kind = "engine-master"
 
+    def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The master never runs a function: the cheapest compilation that keeps the graph (Python
+        linker, the fast_compile rewrites), whatever mode the function asks for (the workers honour it)."""
+        from pytensor.compile.mode import Mode
+
+        return {**kwargs, "mode": Mode(linker="py", optimizer="fast_compile")}
+
     def adopt(self, var: SharedVariable) -> None:
         """Make ``var.get_value()`` read compute rank 0's value and ``set_value`` set every rank's."""
         from synkhronos.engine import master

@@ -1,8 +1,8 @@
 """The engine's call path in the master: start the call, take the result.
 
 The master computes nothing (it never joins JAX's runtime, see :mod:`synkhronos.engine`): a call
-is one command to the workers (:data:`~synkhronos.engine.worker.CALL`) whose plan the master
-wrote into the scratch slots, then the replies: compute rank 0's combined outputs when the call
+is one command to the workers (``CALL``, handled in :mod:`synkhronos.engine.worker`) whose plan
+the master wrote into the scratch slots, then the replies: compute rank 0's combined outputs when the call
 ran as one program, else every rank's share, combined here as the per-rank engine does
 (:func:`synkhronos.reduce_ops.combine`).  A call that runs per rank is logged once per function
 and reason at INFO.
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from synkhronos import calls
+from synkhronos.engine import CALL, PROGRAM, VALUE
 from synkhronos.engine.program import STACKED, _output_form, per_rank_reason
-from synkhronos.engine.worker import CALL, PROGRAM, VALUE
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, current

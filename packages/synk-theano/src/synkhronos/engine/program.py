@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from synkhronos.calls import CallPlan
-from synkhronos.replica import Replica, _is_random_state
+from synkhronos.replica import Replica
 
 if TYPE_CHECKING:
     from synkhronos.engine.device import EngineDevice
@@ -63,7 +63,7 @@ def per_rank_reason(rep: Replica, plan: CallPlan) -> str | None:
     if spec.inputs and len(counts) > 1:
         total = int(plan.positions[-1][1])
         return f"uneven shares ({total} rows over {len(plan.positions)} ranks)"
-    if any(_is_random_state(var) for var in rep.shared_vars()):
+    if rep.uses_random_state:
         return "it uses a random generator shared variable"
     return None
 

@@ -1,17 +1,17 @@
 """The engine's call path in a worker: joining the runtime, running calls, reading and setting values.
 
-Command handlers (registered in every process; the workers import this module through
-:mod:`synkhronos.worker`):
+Command handlers (names in :mod:`synkhronos.engine`; registered in every process, the workers
+import this module through :mod:`synkhronos.worker`):
 
-* :data:`JOIN` -- the first command of an engine run: join JAX's runtime, make this rank's
+* ``JOIN`` -- the first command of an engine run: join JAX's runtime, make this rank's
   :class:`~synkhronos.runtime.Runtime` (compute rank = group rank - 1: the master is group rank 0
   and computes nothing).
-* :data:`CALL` -- a call: the plan is in the shared scratch slots (:mod:`synkhronos.calls`).
+* ``CALL`` -- a call: the plan is in the shared scratch slots (:mod:`synkhronos.calls`).
   The one program (:mod:`synkhronos.engine.program`) when the call allows it, else the
   per-rank program of :mod:`synkhronos.replica`.  Every worker replies ``[form, weight,
-  *outputs]``: ``form`` :data:`PROGRAM` (compute rank 0 alone carries the combined outputs) or
-  :data:`PER_RANK` (each rank its own share, combined by the master).
-* :data:`VALUE` -- read one rank's value of a shared variable, or set every rank's; or every
+  *outputs]``: ``form`` ``PROGRAM`` (compute rank 0 alone carries the combined outputs) or
+  ``PER_RANK`` (each rank its own share, combined by the master).
+* ``VALUE`` -- read one rank's value of a shared variable, or set every rank's; or every
   rank's device memory figures.
 """
 
@@ -24,20 +24,14 @@ import numpy as np
 
 from synk_comm import Group, handler
 from synkhronos import calls
-from synkhronos.engine import launch
+from synkhronos.engine import CALL, JOIN, PER_RANK, PROGRAM, VALUE, launch
 from synkhronos.engine.device import EngineDevice
 from synkhronos.engine.program import AXIS, Program, per_rank_reason
 from synkhronos.runtime import Runtime, current, set_current
 
-__all__ = ["CALL", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "Ranks"]
+__all__ = ["Ranks"]
 
 log = logging.getLogger("synkhronos")
-
-JOIN = "synkhronos.engine.join"
-CALL = "synkhronos.engine.call"
-VALUE = "synkhronos.engine.value"
-PROGRAM = 1
-PER_RANK = 0
 
 
 class Ranks:
