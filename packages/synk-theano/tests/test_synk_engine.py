@@ -93,10 +93,11 @@ def test_updates_apply_locally_in_each_rank(engine, rng):
         np.testing.assert_allclose(synk.get_value(r, w), 2 * p.sum(axis=0), rtol=1e-12)
         assert int(synk.get_value(r, count)) == 2
     np.testing.assert_allclose(w.get_value(), 2 * parts(xd, n)[0].sum(axis=0))  # the master reads rank 0's
-    w.set_value(np.ones(3))  # sets every rank's
+    w.set_value(np.ones(3))  # compute rank 0's value (the master's, in the seed's terms)
     f(synk.data(xd))
     for r, p in enumerate(parts(xd, n)):
-        np.testing.assert_allclose(synk.get_value(r, w), 1 + p.sum(axis=0), rtol=1e-12)
+        start = 1 if r == 0 else 2 * p.sum(axis=0)
+        np.testing.assert_allclose(synk.get_value(r, w), start + p.sum(axis=0), rtol=1e-12)
 
 
 def test_output_subset_givens_and_bcast_inputs(engine, rng, caplog):
@@ -186,11 +187,29 @@ def test_a_graph_with_collectives_refuses_to_run_per_rank(engine, rng):
     assert f(synk.data(xd[:2 * n])) == pytest.approx(xd[:2 * n].sum())  # the group is still usable
 
 
-def test_collectives_on_shared_variables_say_they_need_the_per_rank_engine(engine):
-    w = pytensor.shared(np.zeros(2), name="w")
-    synk.function([], outputs=w.sum())
+def test_collectives_on_shared_variables_and_chain(engine, rng):
+    n = engine
+    w = pytensor.shared(np.zeros(3), name="w")
+    f = synk.function([], outputs=(w.sum(), "sum"))
+    values = rng.standard_normal((3 * n, 3))
+    parts_ = parts(values, n)
+    for r, p in enumerate(parts_):
+        synk.set_value(r, w, p.sum(axis=0))
+    np.testing.assert_allclose(synk.gather(w), np.stack([p.sum(axis=0) for p in parts_]))
+    assert f() == pytest.approx(values.sum())
+    synk.all_reduce(w, op="avg")
+    np.testing.assert_allclose(synk.gather(w), np.tile(values.sum(axis=0) / n, (n, 1)), rtol=1e-12)
+    w.set_value(np.ones(3))  # compute rank 0's only, as the master's in the seed
+    assert f() == pytest.approx(3 + (n - 1) * values.sum() / n)
+    synk.broadcast(w)
+    assert f() == pytest.approx(3 * n)
+    m = pytensor.shared(np.zeros((1, 2)), name="m")
+    synk.function([], outputs=m.sum())
+    synk.scatter(m, synk.data(np.arange(4.0 * n).reshape(2 * n, 2)))
+    assert synk.get_lengths(m) == [2] * n
+    np.testing.assert_allclose(synk.reduce(m, op="sum", in_place=False), np.arange(4.0 * n).reshape(n, 2, 2).sum(0))
     with pytest.raises(RuntimeError, match="engine='jax'"):
-        synk.broadcast(w)
+        synk.chain(f, all_reduce=w, op="avg")()
 
 
 # --- failure ---------------------------------------------------------------------------------------

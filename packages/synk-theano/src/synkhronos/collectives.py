@@ -146,10 +146,10 @@ def _length(checked: tuple[str, Any]) -> int:
 
 
 def _run(rt: Runtime, name: str, **payload: Any) -> Any:
-    if rt.engine is not None:
-        from synkhronos.engine import unavailable
+    if rt.engine is not None:  # the JAX engine: the master carries it out (synkhronos.engine.collectives)
+        from synkhronos.engine import collectives as engine_collectives
 
-        raise unavailable(f"synk.{name}()")
+        return engine_collectives.run(rt, name, payload)
     return rt.group.run(COLLECTIVE, (name, payload))
 
 
@@ -263,12 +263,8 @@ def set_value(rank: int, shared_vars: Any, values: Any, batch: Any = None) -> No
 
 def get_value(rank: int, shared_vars: Any) -> Any:
     """The value(s) in one rank."""
-    rt, variables, sids, single = _prepare(shared_vars)
+    rt, _, sids, single = _prepare(shared_vars)
     _check_rank(rt, rank)
-    if rt.engine is not None:
-        from synkhronos.engine.master import read_value
-
-        return _result([read_value(var, int(rank)) for var in variables], single)
     return _result(_run(rt, "get_value", sids=sids, target=int(rank)), single)
 
 

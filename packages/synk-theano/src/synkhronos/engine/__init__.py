@@ -69,6 +69,6 @@ def choose(engine: str | None) -> str:
 
 def unavailable(what: str) -> RuntimeError:
     """The error for an operation the JAX engine does not run yet."""
-    return RuntimeError(f"{what} is not available with engine='jax' yet (collectives on shared variables other "
-                        "than get_value, and chains, run on the per-rank engine): fork with engine='ranks', or "
-                        "put the collective inside the function's graph")
+    return RuntimeError(f"{what} is not available with engine='jax' yet: fork with engine='ranks', or call the "
+                        "function, the collective and the next function one by one (or put the collective inside "
+                        "the function's graph)")

@@ -8,8 +8,8 @@ that differ between ranks (updates apply locally) stay each rank's own.  The glo
 cached and made again only when the container holds another value (``make_array`` costs about
 10 us per variable, a call would pay it for every parameter).
 
-The master holds no value of a distributed shared variable: its ``get_value()`` reads compute
-rank 0's, its ``set_value(v)`` sets every rank's (:mod:`synkhronos.engine.master`).
+The master holds no value of a distributed shared variable: compute rank 0's stands for it, which
+its ``get_value()`` reads and its ``set_value(v)`` sets (:mod:`synkhronos.engine.master`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class HostDevice(CpuDevice):
         return {**kwargs, "mode": Mode(linker="py", optimizer="fast_compile")}
 
     def adopt(self, var: SharedVariable) -> None:
-        """Make ``var.get_value()`` read compute rank 0's value and ``set_value`` set every rank's."""
+        """Make ``var.get_value()`` read compute rank 0's value and ``set_value`` set it."""
         from synkhronos.engine import master
 
         def get_value(self_: Any, borrow: bool = False, return_internal_type: bool = False) -> Any:

@@ -7,8 +7,9 @@ ran as one program, else every rank's share, combined here as the per-rank engin
 (:func:`synkhronos.reduce_ops.combine`).  A call that runs per rank is logged once per function
 and reason at INFO.
 
-Shared variables: the master holds no value of its own; ``var.get_value()`` reads compute rank
-0's (:func:`read_value`), ``var.set_value(v)`` sets every rank's (:func:`write_value`).  The last
+Shared variables: the master holds no value of its own; compute rank 0's value stands for it:
+``var.get_value()`` reads it (:func:`read_value`), ``var.set_value(v)`` sets it
+(:func:`write_value`).  Collectives on shared variables: :mod:`synkhronos.engine.collectives`.  The last
 value read stays in the master's variable, which is what ``get_value`` returns after
 :func:`synkhronos.close` (:func:`settle` reads every value before the workers stop).
 """
@@ -94,7 +95,7 @@ def read_value(var: Any, rank: int = 0) -> np.ndarray:
     sid = rt.shared_ids.get(var) if rt is not None else None
     if rt is None or sid is None:
         return np.array(var.container.storage[0])
-    with rt.group.command(VALUE, ("get", sid, rank)):
+    with rt.group.command(VALUE, ("get", [sid], rank)):
         pass
     value = rt.group.replies()[rank + 1][0]
     if rank == 0:
@@ -103,12 +104,14 @@ def read_value(var: Any, rank: int = 0) -> np.ndarray:
 
 
 def write_value(var: Any, value: np.ndarray) -> None:
-    """Set every compute rank's value of a distributed shared variable."""
+    """Set compute rank 0's value of a distributed shared variable (the master's, in the seed's
+    terms: the other ranks keep theirs; :func:`synkhronos.broadcast` passes it on)."""
     var.container.storage[0] = np.array(value)
     rt = _engine_runtime()
     sid = rt.shared_ids.get(var) if rt is not None else None
     if rt is not None and sid is not None:
-        with rt.group.command(VALUE, ("set", sid, value)):
+        per_rank = [[value]] + [None] * (rt.size - 1)
+        with rt.group.command(VALUE, ("assign", [sid], (per_rank, None))):
             pass
 
 
@@ -124,7 +127,7 @@ def device_memory() -> list[dict[str, int]]:
     rt = _engine_runtime()
     if rt is None:
         raise RuntimeError("device_memory() needs a running JAX engine: synk.fork(..., engine='jax')")
-    with rt.group.command(VALUE, ("memory", 0, None)):
+    with rt.group.command(VALUE, ("memory", [], None)):
         pass
     replies = rt.group.replies()
     return [{"peak_bytes_in_use": int(replies[r + 1][0][0]), "bytes_in_use": int(replies[r + 1][0][1])}

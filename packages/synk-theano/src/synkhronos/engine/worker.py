@@ -11,8 +11,9 @@ import this module through :mod:`synkhronos.worker`):
   per-rank program of :mod:`synkhronos.replica`.  Every worker replies ``[form, weight,
   *outputs]``: ``form`` ``PROGRAM`` (compute rank 0 alone carries the combined outputs) or
   ``PER_RANK`` (each rank its own share, combined by the master).
-* ``VALUE`` -- read one rank's value of a shared variable, or set every rank's; or every
-  rank's device memory figures.
+* ``VALUE`` -- shared variables' values: read one rank's (``get``) or every rank's (``read``),
+  set them (``assign``: the same in every rank, or one per rank); or every rank's device memory
+  figures (``memory``).
 """
 
 from __future__ import annotations
@@ -99,17 +100,22 @@ def _call(group: Group, _payload: None) -> None:
 
 
 @handler(VALUE)
-def _value(group: Group, payload: tuple[str, int, Any]) -> None:
+def _value(group: Group, payload: tuple[str, Any, Any]) -> None:
     if group.is_master:
         return
     rt = _runtime(group)
-    action, sid, arg = payload
+    action, sids, arg = payload
     if action == "memory":
         stats = rt.engine.device.memory_stats() or {}
         group.reply([np.array([stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0)], dtype=np.int64)])
         return
-    var = rt.shared_var(sid)
-    if action == "get":
-        group.reply([rt.device.get(var)] if rt.rank == arg else [])
-    else:
-        rt.device.set(var, arg)
+    variables = [rt.shared_var(sid) for sid in sids]
+    if action == "get":  # compute rank ``arg``'s values
+        group.reply([rt.device.get(var) for var in variables] if rt.rank == arg else [])
+    elif action == "read":  # every rank's
+        group.reply([rt.device.get(var) for var in variables])
+    else:  # "assign": (per_rank, every)
+        per_rank, every = arg
+        values = every if every is not None else per_rank[rt.rank]
+        for var, value in zip(variables, values or ()):
+            rt.device.set(var, value)
