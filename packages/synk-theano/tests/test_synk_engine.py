@@ -275,3 +275,27 @@ def test_a_worker_killed_between_calls_fails_the_next_call(engine):
     _check_group_gone(group.prefix)
     fork_engine(n)
     _works(n)
+
+
+def test_scalars_integers_booleans_and_no_outputs(engine, rng, caplog):
+    n = engine
+    k = pt.lvector("k")
+    c = pt.scalar("c", dtype="float32")
+    count = pytensor.shared(np.float32(0.0), name="count")
+    f = synk.function([k], bcast_inputs=[c], outputs=[(k.sum(), "sum"), (k > 3, None), ((k > 3).any(), "max"),
+                                                      ((k > 3).all(), "min"), (k.max(), "avg"), (k * c, "prod")])
+    g = synk.function([k], updates=[(count, count + k.sum().astype("float32"))])
+    kd = rng.integers(0, 7, 2 * n).astype("int64")
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(synk.data(kd), synk.data(np.array(0.5, dtype="float32")))
+        assert g(synk.data(kd)) is None
+    assert not per_rank_logged(caplog)
+    ps = parts(kd, n)
+    assert got[0] == kd.sum() and got[0].dtype == np.int64
+    np.testing.assert_array_equal(got[1], kd > 3)
+    assert bool(got[2]) == any(bool((p > 3).any()) for p in ps)
+    assert bool(got[3]) == all(bool((p > 3).all()) for p in ps)
+    assert got[4] == pytest.approx(np.mean([p.max() for p in ps]))
+    np.testing.assert_allclose(got[5], np.prod([p * 0.5 for p in ps], axis=0), rtol=1e-6)
+    for r, p in enumerate(ps):
+        assert float(synk.get_value(r, count)) == pytest.approx(p.sum())
