@@ -36,6 +36,7 @@ from synk_comm import Group, handler
 from synk_comm.ops import as_op
 from synkhronos import calls
 from synkhronos.collectives import _all_reduce, _prepare
+from synkhronos.engine import unavailable
 from synkhronos.function import Function, _selection_errors
 from synkhronos.runtime import Runtime, describe
 
@@ -71,8 +72,6 @@ class Chain:
         subset = first._subset(output_subset)
         rt, _, sids, _ = _prepare(self.shared_vars)  # distributes new functions first
         if rt.engine is not None:
-            from synkhronos.engine import unavailable
-
             raise unavailable("synk.chain()")
         if self.then is not None:
             self.then._require_current(rt)

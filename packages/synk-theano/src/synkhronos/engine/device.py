@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from synkhronos.device import CpuDevice
+from synkhronos.engine import master
 from synkhronos.gpu import GpuDevice
 
 if TYPE_CHECKING:
@@ -77,8 +78,6 @@ class HostDevice(CpuDevice):
 
     def adopt(self, var: SharedVariable) -> None:
         """Make ``var.get_value()`` read compute rank 0's value and ``set_value`` set it."""
-        from synkhronos.engine import master
-
         def get_value(self_: Any, borrow: bool = False, return_internal_type: bool = False) -> Any:
             return master.read_value(self_)
 
