@@ -212,6 +212,18 @@ def test_collectives_on_shared_variables_and_chain(engine, rng):
         synk.chain(f, all_reduce=w, op="avg")()
 
 
+def test_values_stay_readable_after_close(engine, rng):
+    n = engine
+    x = pt.matrix("x")
+    w = pytensor.shared(np.zeros(2), name="w")
+    f = synk.function([x], updates=[(w, w + x.sum(axis=0))])
+    xd = rng.standard_normal((2 * n, 2))
+    f(synk.data(xd))
+    synk.close()  # reads compute rank 0's values first
+    np.testing.assert_allclose(w.get_value(), parts(xd, n)[0].sum(axis=0), rtol=1e-12)
+    fork_engine(n)
+
+
 # --- failure ---------------------------------------------------------------------------------------
 
 def _check_group_gone(prefix: str) -> None:

@@ -139,6 +139,10 @@ def settle(rt: Runtime) -> None:
     master's variable, so that ``get_value`` after :func:`synkhronos.close` returns it."""
     if rt.engine is None or rt.group.closed:
         return
-    for var in list(rt.shared_ids):
-        if hasattr(var.type, "dtype"):
-            read_value(var)
+    variables = [var for var in rt.shared_ids if hasattr(var.type, "dtype")]
+    if not variables:
+        return
+    with rt.group.command(VALUE, ("get", [rt.shared_ids[var] for var in variables], 0)):
+        pass
+    for var, value in zip(variables, rt.group.replies()[1]):
+        var.container.storage[0] = value

@@ -18,7 +18,6 @@ import this module through :mod:`synkhronos.worker`):
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -31,8 +30,6 @@ from synkhronos.engine.program import AXIS, Program, per_rank_reason
 from synkhronos.runtime import Runtime, current, set_current
 
 __all__ = ["Ranks"]
-
-log = logging.getLogger("synkhronos")
 
 
 class Ranks:
