@@ -188,6 +188,7 @@ def test_a_graph_with_collectives_refuses_to_run_per_rank(engine, rng):
 
 
 def test_collectives_on_shared_variables_and_chain(engine, rng):
+    """Carried out by the master (engine.collectives); a chain runs its three operations one by one."""
     n = engine
     w = pytensor.shared(np.zeros(3), name="w")
     f = synk.function([], outputs=(w.sum(), "sum"))
@@ -208,8 +209,9 @@ def test_collectives_on_shared_variables_and_chain(engine, rng):
     synk.scatter(m, synk.data(np.arange(4.0 * n).reshape(2 * n, 2)))
     assert synk.get_lengths(m) == [2] * n
     np.testing.assert_allclose(synk.reduce(m, op="sum", in_place=False), np.arange(4.0 * n).reshape(n, 2, 2).sum(0))
-    with pytest.raises(RuntimeError, match="engine='jax'"):
-        synk.chain(f, all_reduce=w, op="avg")()
+    step = synk.chain(f, all_reduce=w, op="sum", then=synk.function([], updates=[(w, w * 2)]))
+    assert step() == pytest.approx(3 * n)  # first's output, before the all-reduce
+    np.testing.assert_allclose(synk.gather(w), np.full((n, 3), 2.0 * n))
 
 
 def test_values_stay_readable_after_close(engine, rng):

@@ -174,6 +174,7 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
     join them into JAX's runtime (:mod:`synkhronos.engine`)."""
     from synkhronos.engine import JOIN, launch
     from synkhronos.engine.device import HostDevice
+    from synkhronos.engine.master import Orchestrator
 
     on_gpu = launch.runs_on_gpu(use_gpu)
     env.update(launch.worker_env(on_gpu))
@@ -199,7 +200,7 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
     except BaseException:
         group.close()
         raise
-    return Runtime(group, HostDevice(), engine="jax")
+    return Runtime(group, HostDevice(), engine=Orchestrator())
 
 
 def _gpu_device() -> Any:

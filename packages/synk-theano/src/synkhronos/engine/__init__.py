@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CALL", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "choose", "unavailable"]
+__all__ = ["CALL", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "choose"]
 
 ENGINES = ("ranks", "jax")
 """``"ranks"``: one program per rank, glued by the master over shared memory (the first engine);
@@ -66,9 +66,3 @@ def choose(engine: str | None) -> str:
         raise ValueError(f"{source}={name!r} is not an engine: use one of {', '.join(map(repr, ENGINES))}")
     return name
 
-
-def unavailable(what: str) -> RuntimeError:
-    """The error for an operation the JAX engine does not run yet."""
-    return RuntimeError(f"{what} is not available with engine='jax' yet: fork with engine='ranks', or call the "
-                        "function, the collective and the next function one by one (or put the collective inside "
-                        "the function's graph)")

@@ -21,7 +21,7 @@ from synkhronos.calls import normalise_positions
 from synkhronos.engine import VALUE
 from synkhronos.runtime import Runtime
 
-__all__ = ["run"]
+__all__ = ["run", "zero_ranks"]
 
 
 def _values(rt: Runtime, sids: list[int]) -> list[list[np.ndarray]]:
@@ -118,6 +118,15 @@ def _get_value(rt: Runtime, sids: list[int], dtypes: list[Any], target: int, **_
 def _get_shapes(rt: Runtime, sids: list[int], dtypes: list[Any], **_: Any) -> list[list[tuple[int, ...]]]:
     per_rank = _values(rt, sids)
     return [[tuple(v[i].shape) for v in per_rank] for i in range(len(sids))]
+
+
+def zero_ranks(rt: Runtime, sids: list[int], ranks: list[int]) -> None:
+    """Set the variables to zeros (of their shapes there) in compute ranks ``ranks``."""
+    if not ranks:
+        return
+    per_rank = _values(rt, sids)
+    _assign(rt, sids, per_rank=[[np.zeros_like(v) for v in per_rank[r]] if r in ranks else None
+                                for r in range(rt.size)])
 
 
 _RUN: dict[str, Callable[..., Any]] = {

@@ -28,11 +28,19 @@ from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, current
 
-__all__ = ["call", "device_memory", "read_value", "settle", "write_value"]
+__all__ = ["Orchestrator", "call", "device_memory", "read_value", "settle", "write_value"]
 
 log = logging.getLogger("synkhronos")
 
 _logged: set[tuple[int, str]] = set()
+
+
+class Orchestrator:
+    """The master's engine state (``Runtime.engine`` in the master)."""
+
+    def __init__(self) -> None:
+        self.last_weights: list[float] = []
+        """Each compute rank's rows in the last call (0: the rank computed nothing)."""
 
 
 def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
@@ -55,6 +63,8 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
     replies = rt.group.replies()
     shares = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
     ops = rep.output_ops(plan.subset)
+    rt.engine.last_weights = ([float(shares[0][1]) / rt.size] * rt.size
+                              if int(shares[0][0]) == PROGRAM else [float(s[1]) for s in shares])
     if int(shares[0][0]) == PROGRAM:
         dtypes = [np.dtype(v.type.dtype) for v in rep.output_variables(plan.subset)]
         return [combine(op, list(value), [1.0] * rt.size, what=f"output {i}")
