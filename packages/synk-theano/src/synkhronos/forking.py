@@ -194,12 +194,13 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
     spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu else 200))
     group = synk_comm.start(n_parallel + 1, imports=["synkhronos.worker"], master_rank=0, devices=devices,
                             env=env, scratch_size=scratch, spin_us=spin)
-    group.abort_grace_s = launch.ABORT_GRACE_S
+    group.abort_grace_s = launch.ABORT_GRACE_S  # a worker that fails to join leaves the others waiting
     try:
         group.run(JOIN, (launch.coordinator_address(), on_gpu))
     except BaseException:
         group.close()
         raise
+    group.abort_grace_s = None  # set per call (synkhronos.engine.master)
     return Runtime(group, HostDevice(), engine=Orchestrator())
 
 

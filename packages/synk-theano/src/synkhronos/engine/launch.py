@@ -31,9 +31,9 @@ HEARTBEAT_S = 10
 service after this many seconds, should the master not have stopped it first (it does at once)."""
 INIT_TIMEOUT_S = 120
 ABORT_GRACE_S = 3.0
-"""Seconds the master lets the other workers finish a call in which one worker failed; then it
-counts them as stuck in a collective with the failed rank and stops the group
-(:attr:`synk_comm.Group.abort_grace_s`)."""
+"""Seconds the master lets the other workers finish a call that runs as one program (or the join)
+in which one worker failed; then it counts them as stuck in a collective with the failed rank and
+stops the group (:attr:`synk_comm.Group.abort_grace_s`).  Per-rank calls wait for every share."""
 XLA_GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true "
                  "--xla_gpu_all_reduce_combine_threshold_bytes=134217728")
 XLA_FLAGS_ENV = "SYNK_XLA_FLAGS"

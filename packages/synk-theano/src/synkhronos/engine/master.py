@@ -23,6 +23,7 @@ import numpy as np
 
 from synkhronos import calls
 from synkhronos.engine import CALL, PROGRAM, VALUE
+from synkhronos.engine.launch import ABORT_GRACE_S
 from synkhronos.engine.program import STACKED, _output_form, per_rank_reason
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
@@ -57,6 +58,9 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
         raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only in one "
                          f"program over the ranks, and this call cannot run as one: {reason}. Split the rows "
                          "evenly over the ranks (batch=) and call without num_slices/batch_s")
+    # One program: a rank that fails leaves the others inside its collectives, to be stopped after a
+    # grace.  Per-rank programs: the others finish their shares, however long they take.
+    rt.group.abort_grace_s = ABORT_GRACE_S if reason is None else None
     with rt.group.command(CALL):
         if calls.needs_selection_barrier(rep.spec, plan):
             rt.group.barrier()  # the workers check their sliceable rows, then meet (calls.execute)
