@@ -158,6 +158,42 @@ def test_uneven_shares_num_slices_and_batch_s_run_per_rank_and_are_right(engine,
     assert g(batch_s=slice(1, 3)) == pytest.approx(n * sd[1:3].sum())
 
 
+def test_batch_s_windows_of_sliceable_shareds_run_in_the_program(engine, rng, caplog):
+    n = engine
+    s = pytensor.shared(np.zeros((1, 2)), name="s")
+    w = pytensor.shared(np.zeros(2), name="w")
+    x = pt.matrix("x")
+    f = synk.function([], outputs=[(s.sum(axis=0), "sum"), (s, None)], updates=[(w, w + s.sum(axis=0))],
+                      sliceable_shareds=[s])
+    g = synk.function([x], outputs=(x.dot(s.T).sum(), "sum"), sliceable_shareds=[s])
+    values = rng.standard_normal((6 * n, 2))
+    synk.scatter(s, synk.data(values))
+    ps = parts(values, n)
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(batch_s=slice(1, 4))
+        per_rank_rows = [slice(r % 3, r % 3 + 2) for r in range(n)]
+        got2 = f(batch_s=per_rank_rows)
+        xd = rng.standard_normal((3 * n, 2))
+        got3 = g(synk.data(xd), batch_s=slice(2, 5))
+    assert not per_rank_logged(caplog)
+    np.testing.assert_allclose(got[0], sum(p[1:4].sum(axis=0) for p in ps), rtol=1e-12)
+    np.testing.assert_allclose(got[1], np.concatenate([p[1:4] for p in ps]), rtol=1e-12)
+    np.testing.assert_allclose(got2[1], np.concatenate([p[sel] for p, sel in zip(ps, per_rank_rows)]), rtol=1e-12)
+    for r, (p, sel) in enumerate(zip(ps, per_rank_rows)):
+        np.testing.assert_allclose(synk.get_value(r, w), p[1:4].sum(axis=0) + p[sel].sum(axis=0), rtol=1e-12)
+    xs = parts(xd, n)
+    assert got3 == pytest.approx(sum(xp.dot(p[2:5].T).sum() for xp, p in zip(xs, ps)))
+    with caplog.at_level(logging.INFO, logger="synkhronos"):  # past the rows: per rank, Python's slicing
+        got = f(batch_s=slice(4, 9))
+    assert "beyond the rows" in caplog.text
+    np.testing.assert_allclose(got[1], np.concatenate([p[4:9] for p in ps]), rtol=1e-12)
+    synk.scatter(s, synk.data(values[:6 * n - 1]))  # one rank holds a row less
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(batch_s=slice(0, 2))
+    assert "different shapes" in caplog.text
+    np.testing.assert_allclose(got[1], np.concatenate([p[0:2] for p in parts(values[:6 * n - 1], n)]), rtol=1e-12)
+
+
 # --- in-graph collectives through synk_axis --------------------------------------------------------
 
 def test_a_psum_op_gives_the_full_batch_gradient(engine, rng):

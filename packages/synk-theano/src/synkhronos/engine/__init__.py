@@ -14,10 +14,11 @@ Who does what
     * A call runs one ``jax.jit(shard_map(...))`` program over the 1-D mesh ``"ranks"`` of every
       rank's device (:mod:`synkhronos.engine.program`): each rank's rows, the function (PyTensor's
       own JAX translation of the compiled graph), the output reductions, and the shared variables'
-      updates (donated buffers).  Calls the program cannot express exactly (uneven shares,
-      ``num_slices`` > 1, ``batch_s`` or sliceable shared variables, random generators) run the
-      per-rank programs of :mod:`synkhronos.replica` in the workers and the master combines the
-      replies (:func:`synkhronos.engine.program.per_rank_reason` says which and why).
+      updates (donated buffers); ``batch_s`` windows ``start:stop`` of the sliceable shared
+      variables inside it.  Calls the program cannot express exactly (uneven shares,
+      ``num_slices`` > 1, other ``batch_s`` selections, random generators) run the per-rank
+      programs of :mod:`synkhronos.replica` in the workers and the master combines the replies
+      (:func:`synkhronos.engine.program.per_rank_reason` and ``fit_reason`` say which and why).
 
 Failure (evidence in ``benchmarks/probe_engine_failure.py``, summarised in the GPU guide)
     A worker's death (SIGKILL, segfault, OOM) is seen by the master's wait on the command, which

@@ -24,7 +24,7 @@ import numpy as np
 from synkhronos import calls
 from synkhronos.engine import CALL, PROGRAM, VALUE
 from synkhronos.engine.launch import ABORT_GRACE_S
-from synkhronos.engine.program import STACKED, _output_form, per_rank_reason
+from synkhronos.engine.program import STACKED, _output_form, fit_reason, per_rank_reason
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, current
@@ -33,8 +33,6 @@ __all__ = ["Orchestrator", "call", "device_memory", "read_value", "settle", "wri
 
 log = logging.getLogger("synkhronos")
 
-_logged: set[tuple[int, str]] = set()
-
 
 class Orchestrator:
     """The master's engine state (``Runtime.engine`` in the master)."""
@@ -42,6 +40,8 @@ class Orchestrator:
     def __init__(self) -> None:
         self.last_weights: list[float] = []
         """Each compute rank's rows in the last call (0: the rank computed nothing)."""
+        self.logged: set[tuple[int, str]] = set()
+        """(function id, reason) of the per-rank runs logged already."""
 
 
 def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
@@ -53,16 +53,19 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
         If the call cannot run as one program and the function's graph holds in-graph collectives
         (Ops marked ``synk_collective = True``), which only mean something inside the program.
     """
+    spec = rep.spec
     reason = per_rank_reason(rep, plan)
     if reason is not None and _has_collectives(rep, plan.subset):
-        raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only in one "
+        raise ValueError(f"{spec.name or 'this function'} uses in-graph collectives, which run only in one "
                          f"program over the ranks, and this call cannot run as one: {reason}. Split the rows "
-                         "evenly over the ranks (batch=) and call without num_slices/batch_s")
-    # One program: a rank that fails leaves the others inside its collectives, to be stopped after a
-    # grace.  Per-rank programs: the others finish their shares, however long they take.
-    rt.group.abort_grace_s = ABORT_GRACE_S if reason is None else None
+                         "evenly over the ranks (batch=) and call without num_slices")
     with rt.group.command(CALL):
-        if calls.needs_selection_barrier(rep.spec, plan):
+        if reason is None and spec.sliceable:  # the workers compare their sliceable variables' shapes
+            reason = fit_reason(rt.group.host.all_gather(np.empty(0, dtype=np.int64))[1:], plan)
+        # One program: a rank that fails leaves the others inside its collectives, to be stopped after
+        # a grace.  Per-rank programs: the others finish their shares, however long they take.
+        rt.group.abort_grace_s = ABORT_GRACE_S if reason is None else None
+        if reason is not None and calls.needs_selection_barrier(spec, plan):
             rt.group.barrier()  # the workers check their sliceable rows, then meet (calls.execute)
     replies = rt.group.replies()
     shares = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
@@ -74,7 +77,7 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
         return [combine(op, list(value), [1.0] * rt.size, what=f"output {i}")
                 if _output_form(op, dtype) == STACKED else value
                 for i, (op, dtype, value) in enumerate(zip(ops, dtypes, shares[0][2:]))]
-    _log_per_rank(rep, plan)
+    _log_per_rank(rt, rep, reason)
     weights = [float(s[1]) for s in shares]
     return [combine(op, [s[2 + i] if len(s) > 2 else np.empty(0) for s in shares], weights, what=f"output {i}")
             for i, op in enumerate(ops)]
@@ -85,11 +88,11 @@ def _has_collectives(rep: Replica, subset: tuple[int, ...] | None) -> bool:
     return any(getattr(node.op, "synk_collective", False) for node in rep.full(subset).maker.fgraph.apply_nodes)
 
 
-def _log_per_rank(rep: Replica, plan: calls.CallPlan) -> None:
-    reason = per_rank_reason(rep, plan) or "its JAX form takes shape arguments"
+def _log_per_rank(rt: Runtime, rep: Replica, reason: str | None) -> None:
+    reason = reason or "its JAX form takes shape arguments"
     key = (rep.spec.fid, reason)
-    if key not in _logged:
-        _logged.add(key)
+    if key not in rt.engine.logged:
+        rt.engine.logged.add(key)
         log.info("synkhronos: %s runs as per-rank programs (not one program over the ranks): %s",
                  rep.spec.name or f"function {rep.spec.fid}", reason)
 

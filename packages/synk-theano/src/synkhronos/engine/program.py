@@ -14,6 +14,10 @@ scattered inputs         ``P("ranks")``: a global array whose block ``r`` is ran
 broadcast inputs         ``P()``: the same value in every rank
 shared variables         ``P()``: each rank's own value (updates apply locally, so values may
                          differ between ranks; inside ``shard_map`` a rank reads only its own)
+sliceable variables      with a ``batch_s`` window: ``P()``, each rank's whole value, and its
+                         first row as a ``P("ranks")`` block; the graph reads the window with
+                         :class:`~synkhronos.rows.RowWindow` (``Replica.selected``), one
+                         program per row count
 =======================  ======================================================================
 
 Results, all ``P()``: every output reduced over the ranks inside the program (``sum``: ``psum``;
@@ -32,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from synkhronos.calls import CallPlan
+from synkhronos.calls import NONE, CallPlan
 from synkhronos.replica import Replica
 
 if TYPE_CHECKING:
     from synkhronos.engine.device import EngineDevice
 
-__all__ = ["AXIS", "Program", "per_rank_reason"]
+__all__ = ["AXIS", "Program", "fit_reason", "per_rank_reason", "shapes_of", "window"]
 
 log = logging.getLogger("synkhronos")
 
@@ -50,21 +54,68 @@ STACKED = "stacked"
 
 
 def per_rank_reason(rep: Replica, plan: CallPlan) -> str | None:
-    """Why a call runs the per-rank programs instead of the one program (None: it runs the program).
+    """Why a call runs the per-rank programs instead of the one program (None: it may run the
+    program; with sliceable shared variables, if their shapes fit too, :func:`fit_reason`).
 
     The same answer in the master and in every worker: it depends on the function and the plan.
     """
     spec = rep.spec
     if plan.num_slices > 1:
         return "num_slices > 1"
-    if spec.sliceable:
-        return "it has sliceable shared variables (batch_s)"
     counts = {int(p1 - p0) for p0, p1 in plan.positions}
     if spec.inputs and len(counts) > 1:
         total = int(plan.positions[-1][1])
         return f"uneven shares ({total} rows over {len(plan.positions)} ranks)"
     if rep.uses_random_state:
         return "it uses a random generator shared variable"
+    if spec.sliceable:
+        found = window(plan)
+        if found is None:
+            return ("its sliceable shared variables are read without a batch_s slice start:stop of explicit, "
+                    "non-negative bounds and the same row count in every rank")
+        if spec.inputs and counts != {found[1]}:
+            return "the batch_s rows differ from the scattered rows"
+    return None
+
+
+def window(plan: CallPlan) -> tuple[list[int], int] | None:
+    """Each rank's first row and the common row count of a ``batch_s`` given as slices
+    ``start:stop`` (step 1 or none, explicit bounds >= 0, the same count in every rank); else None."""
+    if plan.bs_kind != 1 or plan.bs is None:
+        return None
+    starts, counts = [], set()
+    for a, b, c in plan.bs.tolist():
+        if a == NONE or b == NONE or c not in (NONE, 1) or a < 0 or b <= a:
+            return None
+        starts.append(int(a))
+        counts.add(int(b - a))
+    return (starts, counts.pop()) if len(counts) == 1 else None
+
+
+def shapes_of(rep: Replica, device: Any) -> np.ndarray:
+    """This rank's shapes of the sliceable shared variables, flat (``ndim, *shape`` each), for
+    :func:`fit_reason`."""
+    flat: list[int] = []
+    for var in rep.spec.sliceable:
+        shape = tuple(device.raw(var).shape)
+        flat += [len(shape), *shape]
+    return np.array(flat, dtype=np.int64)
+
+
+def fit_reason(shapes: list[np.ndarray], plan: CallPlan) -> str | None:
+    """Why the sliceable shared variables do not fit one program: every rank's :func:`shapes_of`
+    (in rank order) must be the same, and every rank's window within the rows (None: they fit)."""
+    if any(not np.array_equal(s, shapes[0]) for s in shapes[1:]):
+        return "its sliceable shared variables have different shapes in the ranks"
+    found = window(plan)
+    assert found is not None
+    last = max(found[0]) + found[1]
+    i, flat = 0, shapes[0]
+    while i < len(flat):
+        ndim = int(flat[i])
+        if last > int(flat[i + 1]):
+            return "a batch_s slice reaches beyond the rows of a sliceable shared variable"
+        i += 1 + ndim
     return None
 
 
@@ -118,22 +169,32 @@ class Program:
         The ranks' 1-D mesh (axis :data:`AXIS`).
     """
 
-    def __init__(self, rep: Replica, subset: tuple[int, ...] | None, mesh: Any) -> None:
+    def __init__(self, rep: Replica, subset: tuple[int, ...] | None, mesh: Any, count: int = 0) -> None:
         import jax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
         from pytensor.link.jax.dispatch import jax_funcify
 
-        fn = rep.full(subset)
-        fgraph = fn.maker.fgraph
         spec = rep.spec
         self.n_scattered = len(spec.inputs)
         n_explicit = len(spec.all_inputs)
-        self.shared = list(fgraph.inputs[n_explicit:])
-        updates = dict(fgraph.update_mapping)  # output position -> input position
-        self.n_out = len(fgraph.outputs) - len(updates)
-        update_inputs = [updates[self.n_out + j] for j in range(len(updates))]
-        self.updated = [fgraph.inputs[i] for i in update_inputs]
+        self.sliceable = list(spec.sliceable) if count else []
+        if count:  # the sliceable variables whole, then a start each (RowWindow(count) in the graph)
+            fn = rep.selected(subset, count)
+            fgraph = fn.maker.fgraph
+            n_explicit += 2 * len(self.sliceable)
+            self.n_out = len(rep.output_variables(subset))
+            self.updated = [var for var, _ in spec.updates]
+            self.shared = list(fgraph.inputs[n_explicit:])
+            donate = [n_explicit + self.shared.index(v) for v in self.updated if v in self.shared]
+        else:  # updates as PyTensor compiles them: extra outputs, mapped to their inputs
+            fn = rep.full(subset)
+            fgraph = fn.maker.fgraph
+            self.shared = list(fgraph.inputs[n_explicit:])
+            updates = dict(fgraph.update_mapping)  # output position -> input position
+            self.n_out = len(fgraph.outputs) - len(updates)
+            donate = [updates[self.n_out + j] for j in range(len(updates))]
+            self.updated = [fgraph.inputs[i] for i in donate]
         self.takes_shapes = bool(getattr(fn.maker.linker, "scalar_shape_inputs", ()))
         variables = rep.output_variables(subset)
         self.dtypes = [np.dtype(v.type.dtype) for v in variables]
@@ -142,32 +203,41 @@ class Program:
         local = jax_funcify(fgraph, synk_axis=AXIS, synk_weight=None)
         n_out, forms, dtypes, update_dtypes = self.n_out, self.forms, self.dtypes, self.update_dtypes
         asarray = jax.numpy.asarray  # an output may be a Python number (a static shape) or another dtype
+        first_start = len(spec.all_inputs) + len(self.sliceable)
+        starts = range(first_start, first_start + len(self.sliceable))
 
         def body(*args: Any) -> tuple[Any, ...]:
+            args = tuple(a[0] if i in starts else a for i, a in enumerate(args))  # each start: a (1,) block
             outs = local(*args)
             outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
             results = [_reduce(asarray(o, dtype=dt), form, dt) for o, form, dt in zip(outs[:n_out], forms, dtypes)]
             news = [asarray(u, dtype=dt) for u, dt in zip(outs[n_out:], update_dtypes)]
             return (*results, *news)
 
-        in_specs = (*[P(AXIS)] * self.n_scattered, *[P()] * (len(fgraph.inputs) - self.n_scattered))
+        in_specs = [P(AXIS) if i < self.n_scattered or i in starts else P() for i in range(len(fgraph.inputs))]
         out_specs = tuple([P()] * (self.n_out + len(self.updated)))
-        mapped = _shard_map()(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-        self.jitted = jax.jit(mapped, donate_argnums=tuple(update_inputs))
+        mapped = _shard_map()(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
+        self.jitted = jax.jit(mapped, donate_argnums=tuple(donate))
         self.rows = NamedSharding(mesh, P(AXIS))
         self.replicated = NamedSharding(mesh, P())
         self.size = int(mesh.devices.size)
         self._last: Any = ()
 
-    def __call__(self, device: EngineDevice, scattered: list[np.ndarray], bcast: list[Any]) -> list[Any]:
-        """Run this rank's part: ``scattered`` its rows, ``bcast`` the broadcast values.  Stores the
-        updated values; returns the outputs (global arrays, replicated; not waited for)."""
+    def __call__(self, device: EngineDevice, scattered: list[np.ndarray], bcast: list[Any],
+                 start: int = 0) -> list[Any]:
+        """Run this rank's part: ``scattered`` its rows, ``bcast`` the broadcast values, ``start`` its
+        first row of the sliceable variables.  Stores the updated values; returns the outputs (global
+        arrays, replicated; not waited for)."""
         jax = device.jax
         dev = device.device
         args = [jax.make_array_from_single_device_arrays((self.size * x.shape[0], *x.shape[1:]), self.rows,
                                                          [jax.device_put(x, dev)]) for x in scattered]
         args += [jax.make_array_from_single_device_arrays(np.shape(b), self.replicated, [jax.device_put(b, dev)])
                  for b in bcast]
+        if self.sliceable:
+            args += [device.global_value(var, self.replicated) for var in self.sliceable]
+            first = jax.device_put(np.array([start], dtype=np.int32), dev)
+            args += [jax.make_array_from_single_device_arrays((self.size,), self.rows, [first])] * len(self.sliceable)
         args += [device.global_value(var, self.replicated) for var in self.shared]
         outs = self.jitted(*args)
         self._last = outs

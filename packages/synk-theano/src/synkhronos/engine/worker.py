@@ -26,7 +26,7 @@ from synk_comm import Group, handler
 from synkhronos import calls
 from synkhronos.engine import CALL, JOIN, PER_RANK, PROGRAM, VALUE, launch
 from synkhronos.engine.device import EngineDevice
-from synkhronos.engine.program import AXIS, Program, per_rank_reason
+from synkhronos.engine.program import AXIS, Program, fit_reason, per_rank_reason, shapes_of, window
 from synkhronos.runtime import Runtime, current, set_current
 
 __all__ = ["Ranks"]
@@ -42,14 +42,15 @@ class Ranks:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.mesh = Mesh(np.array(devices), (AXIS,))
         self.device = device
-        self.programs: dict[tuple[int, tuple[int, ...] | None], Program | None] = {}
+        self.programs: dict[tuple[int, tuple[int, ...] | None, int], Program | None] = {}
 
-    def program(self, rt: Runtime, fid: int, subset: tuple[int, ...] | None) -> Program | None:
-        """The function's program for ``subset`` (made on first use); None if its JAX form takes
-        shape arguments (``scalar_shape_inputs``), which one program cannot."""
-        key = (fid, subset)
+    def program(self, rt: Runtime, fid: int, subset: tuple[int, ...] | None, count: int) -> Program | None:
+        """The function's program for ``subset`` (made on first use; ``count``: rows of its
+        sliceable variables' window, 0 without); None if its JAX form takes shape arguments
+        (``scalar_shape_inputs``), which one program cannot."""
+        key = (fid, subset, count)
         if key not in self.programs:
-            program = Program(rt.replicas[fid], subset, self.mesh)
+            program = Program(rt.replicas[fid], subset, self.mesh, count)
             self.programs[key] = None if program.takes_shapes else program
         return self.programs[key]
 
@@ -79,21 +80,34 @@ def _call(group: Group, _payload: None) -> None:
     rt = _runtime(group)
     plan = calls.decode(group.scratch, rt.size)
     rep = rt.replicas[plan.fid]
-    program = None if per_rank_reason(rep, plan) else rt.engine.program(rt, plan.fid, plan.subset)
+    reason = per_rank_reason(rep, plan)
+    if reason is None and rep.spec.sliceable:  # do the sliceable variables fit one program in every rank?
+        reason = fit_reason(group.host.all_gather(shapes_of(rep, rt.device))[1:], plan)
+    found = window(plan) if rep.spec.sliceable else None
+    program = None if reason else rt.engine.program(rt, plan.fid, plan.subset, found[1] if found else 0)
     if program is None:
+        if _has_collectives(rep, plan.subset):
+            raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only in one "
+                             f"program over the ranks, and this call cannot run as one: {reason}")
         weight, outputs = calls.execute(rt, plan)
         group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
         return
     scattered, bcast = calls.rank_inputs(rt, plan)
-    outputs = program(rt.device, scattered, bcast)
+    outputs = program(rt.device, scattered, bcast, found[0][rt.rank] if found else 0)
     # Every rank waits for its program: a failure inside it (an error, or a peer gone from a
     # collective) then surfaces in this call, as the rank's exception.
     program.wait()
     if rt.rank == 0:
-        total = float(plan.positions[-1][1]) if rep.spec.inputs else float(rt.size)
-        group.reply([np.array(PROGRAM), np.array(total), *(np.asarray(o.addressable_data(0)) for o in outputs)])
+        rows = found[1] if found else int(plan.positions[0][1] - plan.positions[0][0]) if rep.spec.inputs else 1
+        group.reply([np.array(PROGRAM), np.array(float(rows * rt.size)),
+                     *(np.asarray(o.addressable_data(0)) for o in outputs)])
     else:
         group.reply([np.array(PROGRAM)])
+
+
+def _has_collectives(rep: Any, subset: tuple[int, ...] | None) -> bool:
+    """Whether the function's graph holds an Op marked ``synk_collective = True``."""
+    return any(getattr(node.op, "synk_collective", False) for node in rep.full(subset).maker.fgraph.apply_nodes)
 
 
 @handler(VALUE)
