@@ -8,6 +8,8 @@ Each variant runs in a fresh interpreter (its own GPU memory peak), all in one r
 ``plain_dev``   the same with the batch already on the GPU (no host transfer: the floor)
 ``engine``      ``synk.fork(1, engine="jax")``: the step as one program in the one worker, the
                 batch from a ``synk.data`` (``batch=``)
+``engine_dev``  the same with the data set on the GPU in sliceable shared variables, the batch a
+                ``batch_s`` window read inside the program (compare with ``plain_dev``)
 ``ranks``       ``synk.fork(1, use_gpu=True)``: the per-rank engine (the master computes)
 
 Measured: the benchmark MLP 1024 -> 4 x 4096 (tanh) -> 10, softmax cross-entropy, SGD, float32
@@ -37,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-VARIANTS = ("plain", "plain_dev", "engine", "ranks")
+VARIANTS = ("plain", "plain_dev", "engine", "engine_dev", "ranks")
 FULL = {"dims": [1024, 4096, 4096, 4096, 4096, 10], "batches": [256, 8192, 16384], "steps": 30, "tiny": 2000}
 DRY = {"dims": [64, 128, 128, 10], "batches": [32, 64], "steps": 5, "tiny": 200}
 
@@ -131,7 +133,7 @@ def run_plain(cfg: dict[str, Any], on_device: bool) -> dict[str, float]:
     return out
 
 
-def run_synk(cfg: dict[str, Any], engine: str, use_gpu: bool) -> dict[str, float]:
+def run_synk(cfg: dict[str, Any], engine: str, use_gpu: bool, on_device: bool = False) -> dict[str, float]:
     import pytensor
     import pytensor.tensor as pt
 
@@ -139,14 +141,21 @@ def run_synk(cfg: dict[str, Any], engine: str, use_gpu: bool) -> dict[str, float
 
     synk.fork(1, use_gpu=use_gpu, engine=engine)
     shared = [pytensor.shared(p) for p in init_params(cfg["dims"])]
-    x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
-    loss = loss_of(x, y, shared)
-    f = synk.function([x, y], outputs=loss, updates=sgd(loss, shared))
     xs, ys = batch_data(cfg)
-    xd, yd = synk.data(xs), synk.data(ys)
     out: dict[str, float] = {}
-    for b in cfg["batches"]:
-        out[str(b)] = timed(lambda b=b: f(xd, yd, batch=b), cfg["steps"])
+    if on_device:  # the data set in GPU memory, each batch a window of it
+        xv, yv = pytensor.shared(xs, name="X"), pytensor.shared(ys, name="Y")
+        loss = loss_of(xv, yv, shared)
+        f = synk.function([], outputs=loss, updates=sgd(loss, shared), sliceable_shareds=[xv, yv])
+        for b in cfg["batches"]:
+            out[str(b)] = timed(lambda b=b: f(batch_s=slice(0, b)), cfg["steps"])
+    else:
+        x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
+        loss = loss_of(x, y, shared)
+        f = synk.function([x, y], outputs=loss, updates=sgd(loss, shared))
+        xd, yd = synk.data(xs), synk.data(ys)
+        for b in cfg["batches"]:
+            out[str(b)] = timed(lambda b=b: f(xd, yd, batch=b), cfg["steps"])
     if engine == "jax":
         from synkhronos.engine.master import device_memory
 
@@ -164,7 +173,7 @@ def run_synk(cfg: dict[str, Any], engine: str, use_gpu: bool) -> dict[str, float
 def run_variant(name: str, cfg: dict[str, Any], dry: bool) -> dict[str, float]:
     if name in ("plain", "plain_dev"):
         return run_plain(cfg, on_device=name == "plain_dev")
-    return run_synk(cfg, "jax" if name == "engine" else "ranks", use_gpu=True)
+    return run_synk(cfg, "ranks" if name == "ranks" else "jax", use_gpu=True, on_device=name == "engine_dev")
 
 
 # --- the driver ------------------------------------------------------------------------------------
@@ -217,12 +226,13 @@ def report(results: dict[str, list[dict[str, float]]], cfg: dict[str, Any], seco
     print("|---" * (len(keys) + 1) + "|")
     for name, row in best.items():
         print(f"| {name} | " + " | ".join(f"{row[k]:.3f}" for k in keys) + " |")
-    if "plain" in best and "engine" in best:
-        p, e = best["plain"], best["engine"]
-        steps = " / ".join(f"{e[str(b)] / p[str(b)]:.3f}" for b in cfg["batches"])
-        peak = e["peak_GiB"] / p["peak_GiB"] if p["peak_GiB"] else float("nan")
-        print(f"\nengine / plain: step {steps} (goal <= 1.03); peak {peak:.2f}x (goal <= 1.05); "
-              f"tiny call +{e['tiny_us'] - p['tiny_us']:.0f} us (goal <= +100)")
+    for ours, theirs in (("engine", "plain"), ("engine_dev", "plain_dev")):
+        if ours in best and theirs in best:
+            p, e = best[theirs], best[ours]
+            steps = " / ".join(f"{e[str(b)] / p[str(b)]:.3f}" for b in cfg["batches"])
+            peak = e["peak_GiB"] / p["peak_GiB"] if p["peak_GiB"] else float("nan")
+            print(f"\n{ours} / {theirs}: step {steps} (goal <= 1.03); peak {peak:.2f}x (goal <= 1.05); "
+                  f"tiny call +{e['tiny_us'] - p['tiny_us']:.0f} us (goal <= +100)")
 
 
 if __name__ == "__main__":
