@@ -47,7 +47,9 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *paths, *session.posargs, env={"PYTHONUNBUFFERED": "1"})
     if session.python == "3.12" and not session.posargs:
         # GPU mode's code paths (JAX backend, values as JAX arrays, chain, GPU-mode fixtures) on
-        # JAX's CPU backend, collectives through shared memory: what CI can check of GPU mode.
+        # JAX's CPU backend, collectives through shared memory: what CI can check of GPU mode.  With
+        # JAX installed, test_synk_engine.py also runs the JAX engine (fork(engine="jax")) in 2 and 3
+        # worker processes on JAX's CPU devices (gloo).
         session.install("jax")
         session.run("pytest", str(ROOT / "packages" / "synk-theano" / "tests"),
                     env={"PYTHONUNBUFFERED": "1", "SYNK_EMULATE_GPUS": "2", "SYNK_TEST_GPU": "1",

@@ -13,7 +13,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | bench | comm | profile | mnist
+what=${1:-all}  # all | tests | bench | comm | profile | mnist | engine
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode
 # (float64: the tests' numpy data), as four pytest processes at once: each forks its own groups
 # over both GPUs (no preallocation), so they share the GPUs; their compile time runs in parallel.
@@ -37,6 +37,11 @@ if [ "$what" = all ] || [ "$what" = mnist ]; then  # the main job on every GPU, 
     timeout 240 python3 examples/mnist/train_mnist.py --no-progress --pattern $pattern --plot "$OUT/mnist_gpu_$pattern.png" 2>&1 \
       | tee "$OUT/mnist_gpu_$pattern.log" || status=1
   done
+fi
+if [ "$what" = all ] || [ "$what" = engine ]; then  # the JAX engine: its GPU tests, then one GPU against plain
+  timeout 240 python3 -m pytest -p no:cacheprovider -q -s packages/synk-theano/tests/test_synk_engine_gpu.py 2>&1 \
+    | tee "$OUT/engine_gpu_tests.log" || status=1
+  timeout 300 python3 benchmarks/bench_engine.py 2>&1 | tee "$OUT/bench_engine.log" || status=1
 fi
 if [ "$what" = profile ]; then
   timeout 300 python3 benchmarks/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1

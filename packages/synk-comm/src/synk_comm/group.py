@@ -140,6 +140,11 @@ class Group:
         self.workers = [r for r in range(size) if r != master_rank]
         self._master_pid = os.getpid() if create else int(os.environ.get("SYNK_MASTER_PID", "0"))
         self._spin = SPIN_S if size <= len(os.sched_getaffinity(0)) else 0.0
+        self.abort_grace_s: float | None = None
+        """Seconds the master waits, once a worker has reported an error during a command, for the
+        other workers to finish it; then it counts them as stuck (inside a collective that can no
+        longer complete), closes the group and raises the error.  None (the default): wait for
+        them as long as they run.  ``synkhronos``' JAX engine sets it."""
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
@@ -186,6 +191,18 @@ class Group:
         self.control.header[ABORT] = self.rank + 1
         self._shutdown(timeout=0.5)  # the group is lost: the others get half a second to exit
         raise WorkerDiedError(rank, proc.pid, proc.returncode, detail)
+
+    def _fail_stuck(self) -> None:
+        """A worker failed and the others did not finish within :attr:`abort_grace_s`: stop the group
+        and raise the failure (the group is closed)."""
+        errors = self._take_errors()
+        self._broken = ("a worker failed during a command while the others could not finish it; the group "
+                        "is closed: start a new one")
+        self._shutdown(timeout=0.5)
+        exc = WorkerError(errors)
+        exc.add_note(f"The other workers did not finish within {self.abort_grace_s:g} s (stuck in a collective "
+                     "with the failed rank): the group is closed; start a new one.")
+        raise exc
 
     # -- lock-step ------------------------------------------------------------------------------
     def barrier(self) -> None:
@@ -273,8 +290,16 @@ class Group:
             return HANDLERS[name](self, payload)
 
     def _collect(self) -> None:
+        error_seen: list[float] = []  # when a worker's error was first seen
+
         def check() -> None:
             self._check_workers()
+            if self.abort_grace_s is not None and self.control.header[ABORT] and self._status.any():
+                now = time.monotonic()
+                if not error_seen:
+                    error_seen.append(now)
+                elif now - error_seen[0] > self.abort_grace_s:
+                    self._fail_stuck()
 
         while self._pending > 0:
             try:

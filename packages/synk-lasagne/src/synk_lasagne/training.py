@@ -202,13 +202,13 @@ def in_graph_all_reduce_pays() -> bool:
     the chain's, and one function saves a call and a barrier (``benchmarks/RESULTS.md``).  On GPUs,
     PyTensor's per-rank JAX programs run it as a host callback -- the gradient through host memory
     -- while the chain all-reduces GPU to GPU through NCCL, queued behind the gradient: the chain
-    until a function runs as one program over the ranks' devices (``jax_funcify(...,
-    synk_axis=...)``), where the in-graph all-reduce is XLA's own.
+    unless the JAX engine runs (``synk.fork(engine="jax")``): a function is then one program over the
+    ranks' devices (``jax_funcify(..., synk_axis=...)``), where the in-graph all-reduce is XLA's own.
     """
     from synkhronos.runtime import current
 
     rt = current()
-    return rt is None or rt.size == 1 or not rt.device.nccl_capable
+    return rt is None or rt.size == 1 or rt.engine is not None or not rt.device.nccl_capable
 
 
 def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any], rule: Rule = _updates.sgd, *,

@@ -33,7 +33,8 @@ from synkhronos import outputs as outputs_path
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime
 
-__all__ = ["CallPlan", "SelectionError", "compute", "decode", "encode", "execute"]
+__all__ = ["CallPlan", "SelectionError", "compute", "decode", "encode", "execute", "needs_selection_barrier",
+           "rank_inputs"]
 
 
 class SelectionError(IndexError, ValueError):
@@ -145,13 +146,12 @@ def _indices(rt: Runtime, plan: CallPlan) -> np.ndarray:
     return values
 
 
-def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[Any]]:
-    """Run this rank's share of a call; returns (weight, outputs combined over its slices), the
-    outputs where they were computed (on a GPU: not waited for)."""
+def rank_inputs(rt: Runtime, plan: CallPlan) -> tuple[list[np.ndarray], list[Any]]:
+    """This rank's rows of each scattered input, and the whole broadcast inputs (host arrays,
+    read from the Data in place where the rows are contiguous)."""
     rep = rt.replicas[plan.fid]
-    spec = rep.spec
     datas = [rt.data[d] for d in plan.data_ids]
-    n_in = len(spec.inputs)
+    n_in = len(rep.spec.inputs)
     p0, p1 = (int(v) for v in plan.positions[rt.rank])
     scattered: list[np.ndarray] = []
     if n_in:
@@ -168,7 +168,23 @@ def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[Any]]:
                 scattered.append(arr[start + p0:start + p1])
             else:
                 scattered.append(arr[index])
-    bcast = [d.data for d in datas[n_in:]]
+    return scattered, [d.data for d in datas[n_in:]]
+
+
+def needs_selection_barrier(spec: Any, plan: CallPlan) -> bool:
+    """Whether the ranks meet at a barrier between checking their sliceable rows and computing
+    (only each rank knows its rows; no rank may compute when another rank's check failed)."""
+    return bool(spec.sliceable) and bool(plan.bs_kind or plan.num_slices > 1)
+
+
+def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[Any]]:
+    """Run this rank's share of a call; returns (weight, outputs combined over its slices), the
+    outputs where they were computed (on a GPU: not waited for)."""
+    rep = rt.replicas[plan.fid]
+    spec = rep.spec
+    n_in = len(spec.inputs)
+    p0, p1 = (int(v) for v in plan.positions[rt.rank])
+    scattered, bcast = rank_inputs(rt, plan)
     sliceable_rows, s_rows = _sliceable_rows(rt, rep, plan)
     if n_in:
         n_rows = p1 - p0
@@ -181,9 +197,7 @@ def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[Any]]:
         weight = float(n_rows)
     else:
         n_rows, weight = 1, 1.0
-    if spec.sliceable and (plan.bs_kind or plan.num_slices > 1):
-        # Only each rank knows its sliceable rows: every rank checks them (above), then all meet
-        # here, so that no rank computes (and updates) when another rank's check failed.
+    if needs_selection_barrier(spec, plan):
         rt.group.barrier()
     if weight == 0 and not rep.has_collectives:
         return 0.0, []

@@ -36,6 +36,7 @@ from synk_comm import Group, handler
 from synk_comm.ops import as_op
 from synkhronos import calls
 from synkhronos.collectives import _all_reduce, _prepare
+from synkhronos.engine import collectives as engine_collectives
 from synkhronos.function import Function, _selection_errors
 from synkhronos.runtime import Runtime, describe
 
@@ -70,6 +71,8 @@ class Chain:
         first = self.first
         subset = first._subset(output_subset)
         rt, _, sids, _ = _prepare(self.shared_vars)  # distributes new functions first
+        if rt.engine is not None:
+            return self._call_on_engine(rt, sids, args, kwargs, output_subset, batch, batch_s, num_slices)
         if self.then is not None:
             self.then._require_current(rt)
         tail = [-1 if self.then is None else self.then._spec.fid, OPS.index(self.op), int(self.zeros_if_idle),
@@ -80,6 +83,21 @@ class Chain:
         with _selection_errors(), rt.group.command(CHAIN):
             own = _run(rt, plan, offset)
         return first._gather(rt, own, plan)
+
+
+    def _call_on_engine(self, rt: Runtime, sids: list[int], args: Any, kwargs: Any, output_subset: Any,
+                        batch: Any, batch_s: Any, num_slices: Any) -> Any:
+        """The JAX engine: the three operations one by one (the all-reduce carried out by the master,
+        :mod:`synkhronos.engine.collectives`); the same results."""
+        out = self.first(*args, output_subset=output_subset, batch=batch, batch_s=batch_s, num_slices=num_slices,
+                         **kwargs)
+        if self.zeros_if_idle:
+            engine_collectives.zero_ranks(rt, sids, [r for r, w in enumerate(rt.engine.last_weights) if w == 0])
+        if rt.size > 1:
+            engine_collectives.run(rt, "all_reduce", {"sids": sids, "op": self.op})
+        if self.then is not None:
+            self.then()
+        return out
 
 
 def chain(first: Function, all_reduce: Any, op: str = "avg", then: Function | None = None,

@@ -83,7 +83,7 @@ class CpuDevice(Device):
     def get(self, var: SharedVariable) -> np.ndarray:
         return np.asarray(var.get_value(borrow=True))
 
-    def set(self, var: SharedVariable, value: np.ndarray) -> None:
+    def set(self, var: SharedVariable, value: Any) -> None:
         var.set_value(np.array(value, dtype=var.type.dtype, copy=True), borrow=True)
 
     def take(self, var: SharedVariable, rows: Any) -> Any:

@@ -54,7 +54,8 @@ def gpu_count() -> int:
 
 
 def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank: int = 0,
-         profile_workers: bool = False, max_n_var: int = 1000, max_dim: int = 16) -> int:
+         profile_workers: bool = False, max_n_var: int = 1000, max_dim: int = 16,
+         engine: str | None = None) -> int:
     """Start the ranks: the master (this process) and ``n_parallel - 1`` workers.
 
     Parameters
@@ -76,6 +77,12 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     max_dim : int
         The most dimensions of any input, output or sliceable shared of a function: more is a
         ValueError in :func:`synkhronos.function` that names this parameter.
+    engine : {"ranks", "jax"}, optional
+        ``"ranks"`` (the default, or ``$SYNK_ENGINE``): every rank, the master included, runs
+        its own programs; the master glues them over shared memory.  ``"jax"``: every call is one
+        program over all ranks on JAX's multi-process runtime (:mod:`synkhronos.engine`): the
+        ``n_parallel`` ranks are worker processes (one GPU each in GPU mode; JAX's CPU device
+        otherwise) and the master computes nothing.  ``master_rank`` must then be 0.
 
     Returns
     -------
@@ -108,6 +115,12 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         raise ValueError(f"max_n_var must be >= 1, got {max_n_var}")
     if max_dim < 1:
         raise ValueError(f"max_dim must be >= 1, got {max_dim}")
+    from synkhronos import engine as engines
+
+    engine = engines.choose(engine)
+    if engine == "jax" and master_rank != 0:
+        raise ValueError(f"master_rank={master_rank}: with engine='jax' the master computes nothing and has no "
+                         "rank of its own; leave master_rank at 0")
     if use_gpu:
         if n_gpus == 0:
             raise ValueError("use_gpu=True but this machine has no visible NVIDIA GPU; use use_gpu=False")
@@ -115,6 +128,13 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
             raise ValueError(f"n_parallel={n_parallel} but only {n_gpus} GPU(s) are visible")
     t0 = time.perf_counter()
     env: dict[str, Any] = {"PYTENSOR_FLAGS": _pytensor_flags(), "SYNK_USE_GPU": "1" if use_gpu else "0"}
+    if engine == "jax":
+        rt = _fork_engine(n_parallel, use_gpu, env, profile_workers, max_n_var)
+        rt.max_dim = max_dim
+        set_current(rt)
+        log.info("synkhronos: %d ranks on the JAX engine (%s) ready in %.2f s", n_parallel,
+                 "GPU" if use_gpu else "CPU", time.perf_counter() - t0)
+        return n_parallel
     devices = None
     if use_gpu:
         from synkhronos.gpu import prepare_master
@@ -148,6 +168,42 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     return n_parallel
 
 
+def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_workers: bool,
+                 max_n_var: int) -> Runtime:
+    """Start the engine's ``n_parallel`` workers (group ranks 1..n; the master is group rank 0) and
+    join them into JAX's runtime (:mod:`synkhronos.engine`)."""
+    from synkhronos.engine import JOIN, launch
+    from synkhronos.engine.device import HostDevice
+    from synkhronos.engine.master import Orchestrator
+
+    on_gpu = launch.runs_on_gpu(use_gpu)
+    env.update(launch.worker_env(on_gpu))
+    devices = None
+    if use_gpu:
+        from synkhronos.gpu import visible_devices
+
+        gpus = visible_devices()
+        devices = [",".join(gpus), *gpus[:n_parallel]]  # the master keeps what it sees
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX in the master: no GPU hoarding
+    else:
+        threads = max(1, len(os.sched_getaffinity(0)) // n_parallel)
+        env.update({var: os.environ.get(var, str(threads)) for var in THREAD_VARS})
+    if profile_workers:
+        env["SYNK_PROFILE_DIR"] = os.getcwd()
+    scratch = CallPlan.length(max_n_var, 0, n_parallel)
+    spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu else 200))
+    group = synk_comm.start(n_parallel + 1, imports=["synkhronos.worker"], master_rank=0, devices=devices,
+                            env=env, scratch_size=scratch, spin_us=spin)
+    group.abort_grace_s = launch.ABORT_GRACE_S  # a worker that fails to join leaves the others waiting
+    try:
+        group.run(JOIN, (launch.coordinator_address(), on_gpu))
+    except BaseException:
+        group.close()
+        raise
+    group.abort_grace_s = None  # set per call (synkhronos.engine.master)
+    return Runtime(group, HostDevice(), engine=Orchestrator())
+
+
 def _gpu_device() -> Any:
     from synkhronos.gpu import GpuDevice
 
@@ -163,6 +219,13 @@ def close() -> None:
     rt = current()
     if rt is None:
         return
+    if rt.engine is not None:
+        from synkhronos.engine.master import settle
+
+        try:
+            settle(rt)  # the shared variables' values, read before the workers stop
+        except Exception as exc:  # the group is broken: the values last read stay
+            log.warning("synkhronos: could not read the shared values before closing: %s", exc)
     set_current(None)
     rt.group.close()
     if rt.thread_limits is not None:

@@ -23,6 +23,7 @@ from synk_comm import WorkerError
 from synk_shm import Data
 from synkhronos import calls, data_registry
 from synkhronos import outputs as outputs_path
+from synkhronos.engine import master as engine_master
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, describe, get_runtime
@@ -131,6 +132,9 @@ class Function:
         rt = get_runtime()
         subset = self._subset(output_subset)
         plan = self._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices)
+        if rt.engine is not None:
+            with _selection_errors():
+                return self._shape(engine_master.call(rt, self._replica, plan), plan)
         with _selection_errors(), rt.group.command(CALL):
             own = calls.share(rt, plan)
         return self._gather(rt, own, plan)
@@ -179,9 +183,13 @@ class Function:
         results = [result(i, op) for i, op in enumerate(ops)]
         self._output_nbytes[plan.subset] = [r.nbytes // (rt.size if op == "gather" else 1)
                                             for r, op in zip(results, ops)]
+        return self._shape(results, plan)
+
+    def _shape(self, results: list[Any], plan: calls.CallPlan) -> Any:
+        """What a call returns: the one output, the list, or None without outputs."""
         if plan.subset is None and self._spec.single_output:
             return results[0]
-        if not ops:
+        if not results:
             return None
         return results
 

@@ -213,7 +213,8 @@ def broadcast(x: Any, root: int = 0) -> Variable:
 # --- finding them in a graph ----------------------------------------------------------------------
 
 def collective_nodes(variables: Iterable[Any]) -> list[Apply]:
-    """The nodes of these ops that ``variables`` depend on (an empty list when none)."""
+    """The nodes of in-graph collectives (Ops marked ``synk_collective = True``: these ops, or one's
+    own) that ``variables`` depend on (an empty list when none)."""
     found, seen = [], set()
     stack = [v for v in variables if isinstance(v, Variable)]
     while stack:
@@ -221,7 +222,7 @@ def collective_nodes(variables: Iterable[Any]) -> list[Apply]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node.op, Collective):
+        if getattr(node.op, "synk_collective", False):
             found.append(node)
         stack.extend(node.inputs)
     return found
@@ -256,6 +257,9 @@ class Collective(Op):
     :meth:`in_program` (JAX, over a mesh axis)."""
 
     __props__: tuple[str, ...] = ()
+    synk_collective = True
+    """The marker by which Synkhronos finds in-graph collectives (:func:`collective_nodes`); an Op of
+    one's own that communicates over the ranks sets it too."""
     # infer_shape(*args): PyTensor before 3.3 passes (fgraph, node, input_shapes), 3.3 on (node, input_shapes)
 
     def do_constant_folding(self, fgraph: Any, node: Apply) -> bool:

@@ -52,12 +52,14 @@ class Replica:
 
     @property
     def collectives(self) -> list[Any]:
-        """The nodes of in-graph collectives (:mod:`synkhronos.ops`) in the function's graph."""
+        """The nodes of in-graph collectives (:mod:`synkhronos.ops`, or any Op marked
+        ``synk_collective = True``) in the function's graph."""
         if self._collectives is None:
-            ops = sys.modules.get("synkhronos.ops")  # not imported: no graph can hold its ops
+            from synkhronos.ops import collective_nodes
+
             spec = self.spec
             graph = [*spec.outputs, *(e for _, e in spec.updates), *(v for _, v in spec.givens)]
-            self._collectives = ops.collective_nodes(graph) if ops is not None else []
+            self._collectives = collective_nodes(graph)
         return self._collectives
 
     @property
@@ -152,6 +154,14 @@ class Replica:
         for var in [*self.full().get_shared(), *self.spec.sliceable, *(v for v, _ in self.spec.updates)]:
             seen.setdefault(var, None)
         return list(seen)
+
+    @property
+    def uses_random_state(self) -> bool:
+        """Whether a random generator is among the function's shared variables (computed once)."""
+        found = self.__dict__.get("_uses_random_state")
+        if found is None:
+            found = self.__dict__["_uses_random_state"] = any(_is_random_state(v) for v in self.shared_vars())
+        return bool(found)
 
     def settle_updates(self) -> None:
         """After PyTensor applied the updates itself (a one-pass call): in GPU mode, each updated

@@ -27,13 +27,21 @@ log = logging.getLogger("synkhronos")
 
 
 class Runtime:
-    """Ids and objects of a run, in one rank."""
+    """Ids and objects of a run, in one rank.
 
-    def __init__(self, group: Group, device: Device) -> None:
+    ``engine``: None for the per-rank engine, where every group rank computes (``rank`` and
+    ``size`` are the group's); else the engine's state (:mod:`synkhronos.engine`), where group
+    rank 0 is the master, which computes nothing, and compute rank ``r`` is group rank ``r + 1``
+    (``size`` counts the compute ranks; the master's ``rank`` is -1).
+    """
+
+    def __init__(self, group: Group, device: Device, engine: Any = None) -> None:
         self.group = group
         self.device = device
-        self.rank = group.rank
-        self.size = group.size
+        self.engine = engine
+        offset = 0 if engine is None else 1
+        self.rank = group.rank - offset
+        self.size = group.size - offset
         self.is_master = group.is_master
         self.replicas: dict[int, Replica] = {}
         self.shared: dict[int, SharedVariable] = {}

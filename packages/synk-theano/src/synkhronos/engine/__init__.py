@@ -1,0 +1,69 @@
+"""The engine: a Synkhronos function as ONE compiled program over every rank, on JAX's
+multi-process runtime.  Switched on by ``synk.fork(..., engine="jax")`` (default from the
+``SYNK_ENGINE`` environment variable; without either, the per-rank engine runs).
+
+Who does what
+    * The **master** (the user's process) never joins JAX's runtime.  It checks a call's
+      arguments, writes the call's plan into the shared scratch slots (:mod:`synkhronos.calls`),
+      starts the command over the existing shared-memory control plane and reads the result
+      that compute rank 0 replies.  Its call path: :mod:`synkhronos.engine.master`.
+    * The **workers** are the ranks that compute: ``fork(n)`` starts ``n`` of them, each a fresh
+      interpreter with one device (one GPU; or JAX's CPU device, collectives over gloo), joined
+      by ``jax.distributed.initialize`` (:mod:`synkhronos.engine.launch`; the coordination
+      service runs in compute rank 0).  Their call path: :mod:`synkhronos.engine.worker`.
+    * A call runs one ``jax.jit(shard_map(...))`` program over the 1-D mesh ``"ranks"`` of every
+      rank's device (:mod:`synkhronos.engine.program`): each rank's rows, the function (PyTensor's
+      own JAX translation of the compiled graph), the output reductions, and the shared variables'
+      updates (donated buffers); ``batch_s`` windows ``start:stop`` of the sliceable shared
+      variables inside it.  Calls the program cannot express exactly (uneven shares,
+      ``num_slices`` > 1, other ``batch_s`` selections, random generators) run the per-rank
+      programs of :mod:`synkhronos.replica` in the workers and the master combines the replies
+      (:func:`synkhronos.engine.program.per_rank_reason` and ``fit_reason`` say which and why).
+
+Failure (evidence in ``benchmarks/probe_engine_failure.py``, summarised in the GPU guide)
+    A worker's death (SIGKILL, segfault, OOM) is seen by the master's wait on the command, which
+    polls every worker process: :class:`~synk_comm.WorkerDiedError` within a fraction of a second,
+    then every other worker is told to exit and killed after half a second (a survivor may be
+    stuck inside a collective that will never complete).  Nothing of JAX's runtime lives in the
+    master, so nothing can abort it or leave it waiting, and ``synk.fork()`` works again in the
+    same process (a process cannot ``jax.distributed.initialize`` twice: measured).  As a second
+    line, the workers keep the runtime's default behaviour (no ``jax_enable_recoverability``) with
+    a short heartbeat timeout: survivors of a dead peer are aborted by the runtime itself within
+    :data:`~synkhronos.engine.launch.HEARTBEAT_S` seconds even if the master is gone too.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["CALL", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "choose"]
+
+ENGINES = ("ranks", "jax")
+"""``"ranks"``: one program per rank, glued by the master over shared memory (the first engine);
+``"jax"``: one program over every rank on JAX's multi-process runtime (this package)."""
+ENV = "SYNK_ENGINE"
+
+# The commands between the master (engine.master) and the workers (engine.worker, their handlers).
+JOIN = "synkhronos.engine.join"
+CALL = "synkhronos.engine.call"
+VALUE = "synkhronos.engine.value"
+PROGRAM = 1
+"""A call's reply form: it ran as one program; compute rank 0 carries the combined outputs."""
+PER_RANK = 0
+"""A call's reply form: it ran per rank; every rank carries its own share."""
+
+
+def choose(engine: str | None) -> str:
+    """The engine of a :func:`synkhronos.fork`: ``engine``, else ``$SYNK_ENGINE``, else ``"ranks"``.
+
+    Raises
+    ------
+    ValueError
+        For a name not in :data:`ENGINES`.
+    """
+    name = engine if engine is not None else (os.environ.get(ENV, "").strip() or "ranks")
+    if name not in ENGINES:
+        source = "engine" if engine is not None else ENV
+        raise ValueError(f"{source}={name!r} is not an engine: use one of {', '.join(map(repr, ENGINES))}")
+    return name
+

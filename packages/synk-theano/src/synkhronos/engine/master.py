@@ -1,0 +1,161 @@
+"""The engine's call path in the master: start the call, take the result.
+
+The master computes nothing (it never joins JAX's runtime, see :mod:`synkhronos.engine`): a call
+is one command to the workers (``CALL``, handled in :mod:`synkhronos.engine.worker`) whose plan
+the master wrote into the scratch slots, then the replies: compute rank 0's combined outputs when the call
+ran as one program, else every rank's share, combined here as the per-rank engine does
+(:func:`synkhronos.reduce_ops.combine`).  A call that runs per rank is logged once per function
+and reason at INFO.
+
+Shared variables: the master holds no value of its own; compute rank 0's value stands for it:
+``var.get_value()`` reads it (:func:`read_value`), ``var.set_value(v)`` sets it
+(:func:`write_value`).  Collectives on shared variables: :mod:`synkhronos.engine.collectives`.  The last
+value read stays in the master's variable, which is what ``get_value`` returns after
+:func:`synkhronos.close` (:func:`settle` reads every value before the workers stop).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from synkhronos import calls
+from synkhronos.engine import CALL, PROGRAM, VALUE
+from synkhronos.engine.launch import ABORT_GRACE_S
+from synkhronos.engine.program import STACKED, _output_form, fit_reason, per_rank_reason
+from synkhronos.reduce_ops import combine
+from synkhronos.replica import Replica
+from synkhronos.runtime import Runtime, current
+
+__all__ = ["Orchestrator", "call", "device_memory", "read_value", "settle", "write_value"]
+
+log = logging.getLogger("synkhronos")
+
+
+class Orchestrator:
+    """The master's engine state (``Runtime.engine`` in the master)."""
+
+    def __init__(self) -> None:
+        self.last_weights: list[float] = []
+        """Each compute rank's rows in the last call (0: the rank computed nothing)."""
+        self.logged: set[tuple[int, str]] = set()
+        """(function id, reason) of the per-rank runs logged already."""
+
+
+def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
+    """Run a planned call on the workers; returns its outputs, combined, in the call's order.
+
+    Raises
+    ------
+    ValueError
+        If the call cannot run as one program and the function's graph holds in-graph collectives
+        (Ops marked ``synk_collective = True``), which only mean something inside the program.
+    """
+    spec = rep.spec
+    reason = per_rank_reason(rep, plan)
+    if reason is not None and rep.has_collectives:
+        raise ValueError(f"{spec.name or 'this function'} uses in-graph collectives, which run only in one "
+                         f"program over the ranks, and this call cannot run as one: {reason}. Split the rows "
+                         "evenly over the ranks (batch=) and call without num_slices")
+    with rt.group.command(CALL):
+        if reason is None and spec.sliceable:  # the workers compare their sliceable variables' shapes
+            reason = fit_reason(rt.group.host.all_gather(np.empty(0, dtype=np.int64))[1:], plan)
+        # One program: a rank that fails leaves the others inside its collectives, to be stopped after
+        # a grace.  Per-rank programs: the others finish their shares, however long they take.
+        rt.group.abort_grace_s = ABORT_GRACE_S if reason is None else None
+        if reason is not None and calls.needs_selection_barrier(spec, plan):
+            rt.group.barrier()  # the workers check their sliceable rows, then meet (calls.execute)
+    replies = rt.group.replies()
+    shares = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
+    ops = rep.output_ops(plan.subset)
+    rt.engine.last_weights = ([float(shares[0][1]) / rt.size] * rt.size
+                              if int(shares[0][0]) == PROGRAM else [float(s[1]) for s in shares])
+    if int(shares[0][0]) == PROGRAM:
+        dtypes = [np.dtype(v.type.dtype) for v in rep.output_variables(plan.subset)]
+        return [combine(op, list(value), [1.0] * rt.size, what=f"output {i}")
+                if _output_form(op, dtype) == STACKED else value
+                for i, (op, dtype, value) in enumerate(zip(ops, dtypes, shares[0][2:]))]
+    _log_per_rank(rt, rep, reason)
+    weights = [float(s[1]) for s in shares]
+    return [combine(op, [s[2 + i] if len(s) > 2 else np.empty(0) for s in shares], weights, what=f"output {i}")
+            for i, op in enumerate(ops)]
+
+
+
+def _log_per_rank(rt: Runtime, rep: Replica, reason: str | None) -> None:
+    reason = reason or "its JAX form takes shape arguments"
+    key = (rep.spec.fid, reason)
+    if key not in rt.engine.logged:
+        rt.engine.logged.add(key)
+        log.info("synkhronos: %s runs as per-rank programs (not one program over the ranks): %s",
+                 rep.spec.name or f"function {rep.spec.fid}", reason)
+
+
+def _engine_runtime() -> Runtime | None:
+    rt = current()
+    if rt is None or rt.engine is None or rt.group.closed:
+        return None
+    return rt
+
+
+def read_value(var: Any, rank: int = 0) -> np.ndarray:
+    """Compute rank ``rank``'s value of a distributed shared variable (a copy, in host memory).
+
+    Without a running engine (after close, or a worker's death), the value last read."""
+    rt = _engine_runtime()
+    sid = rt.shared_ids.get(var) if rt is not None else None
+    if rt is None or sid is None:
+        return np.array(var.container.storage[0])
+    with rt.group.command(VALUE, ("get", [sid], rank)):
+        pass
+    value = rt.group.replies()[rank + 1][0]
+    if rank == 0:
+        var.container.storage[0] = value
+    return np.array(value)
+
+
+def write_value(var: Any, value: np.ndarray) -> None:
+    """Set compute rank 0's value of a distributed shared variable (the master's, in the seed's
+    terms: the other ranks keep theirs; :func:`synkhronos.broadcast` passes it on)."""
+    var.container.storage[0] = np.array(value)
+    rt = _engine_runtime()
+    sid = rt.shared_ids.get(var) if rt is not None else None
+    if rt is not None and sid is not None:
+        per_rank = [[value]] + [None] * (rt.size - 1)
+        with rt.group.command(VALUE, ("assign", [sid], (per_rank, None))):
+            pass
+
+
+def device_memory() -> list[dict[str, int]]:
+    """Every compute rank's device memory, in rank order: ``peak_bytes_in_use`` and ``bytes_in_use``
+    as JAX reports them (0 where the device keeps no statistics, e.g. JAX's CPU device).
+
+    Raises
+    ------
+    RuntimeError
+        Without a running JAX engine.
+    """
+    rt = _engine_runtime()
+    if rt is None:
+        raise RuntimeError("device_memory() needs a running JAX engine: synk.fork(..., engine='jax')")
+    with rt.group.command(VALUE, ("memory", [], None)):
+        pass
+    replies = rt.group.replies()
+    return [{"peak_bytes_in_use": int(replies[r + 1][0][0]), "bytes_in_use": int(replies[r + 1][0][1])}
+            for r in range(rt.size)]
+
+
+def settle(rt: Runtime) -> None:
+    """Before the workers stop: read every shared variable's value (compute rank 0's) into the
+    master's variable, so that ``get_value`` after :func:`synkhronos.close` returns it."""
+    if rt.engine is None or rt.group.closed:
+        return
+    variables = [var for var in rt.shared_ids if hasattr(var.type, "dtype")]
+    if not variables:
+        return
+    with rt.group.command(VALUE, ("get", [rt.shared_ids[var] for var in variables], 0)):
+        pass
+    for var, value in zip(variables, rt.group.replies()[1]):
+        var.container.storage[0] = value

@@ -1,0 +1,253 @@
+"""A Synkhronos function as one ``jax.jit(shard_map(...))`` program over the mesh of every rank.
+
+Built in each worker from the function's compiled PyTensor graph (``pytensor.function(...,
+mode="JAX").maker.fgraph`` of :meth:`Replica.full <synkhronos.replica.Replica.full>`: its inputs
+are the call's inputs, then the shared variables; its outputs the function's outputs, then the
+updated values) translated by ``jax_funcify(fgraph, synk_axis="ranks", synk_weight=None)``, which
+passes ``synk_axis`` on to every Op's translation (in-graph collectives use it as their axis
+name).  One program per output subset; ``jax.jit`` keeps one executable per input shapes.
+
+Operands, over the 1-D mesh ``"ranks"``:
+
+=======================  ======================================================================
+scattered inputs         ``P("ranks")``: a global array whose block ``r`` is rank ``r``'s rows
+broadcast inputs         ``P()``: the same value in every rank
+shared variables         ``P()``: each rank's own value (updates apply locally, so values may
+                         differ between ranks; inside ``shard_map`` a rank reads only its own)
+sliceable variables      with a ``batch_s`` window: ``P()``, each rank's whole value, and its
+                         first row as a ``P("ranks")`` block; the graph reads the window with
+                         :class:`~synkhronos.rows.RowWindow` (``Replica.selected``), one
+                         program per row count
+=======================  ======================================================================
+
+Results, all ``P()``: every output reduced over the ranks inside the program (``sum``: ``psum``;
+``avg``: ``pmean``, exact because every rank has the same number of rows; ``max``/``min``:
+``pmax``/``pmin``; ``prod`` and ``None`` (gather): an ``all_gather``, then the product or the
+concatenation in rank order), and each rank's updated values, whose input buffers are donated.
+Only compute rank 0 copies the outputs to the host.  Outputs that XLA cannot reduce as the host
+would (an integer ``avg``, which is a float64 mean; a boolean ``max``/``min``) are gathered in the
+program and combined by :func:`synkhronos.reduce_ops.combine` in the master.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from synkhronos.calls import NONE, CallPlan
+from synkhronos.replica import Replica
+
+if TYPE_CHECKING:
+    from synkhronos.engine.device import EngineDevice
+
+__all__ = ["AXIS", "Program", "fit_reason", "per_rank_reason", "shapes_of", "window"]
+
+log = logging.getLogger("synkhronos")
+
+AXIS = "ranks"
+"""The mesh axis of the ranks: the axis name of every collective inside a program."""
+
+STACKED = "stacked"
+"""How an output leaves the program when the master combines it (see the module docstring)."""
+
+
+def per_rank_reason(rep: Replica, plan: CallPlan) -> str | None:
+    """Why a call runs the per-rank programs instead of the one program (None: it may run the
+    program; with sliceable shared variables, if their shapes fit too, :func:`fit_reason`).
+
+    The same answer in the master and in every worker: it depends on the function and the plan.
+    """
+    spec = rep.spec
+    if plan.num_slices > 1:
+        return "num_slices > 1"
+    counts = {int(p1 - p0) for p0, p1 in plan.positions}
+    if spec.inputs and len(counts) > 1:
+        total = int(plan.positions[-1][1])
+        return f"uneven shares ({total} rows over {len(plan.positions)} ranks)"
+    if rep.uses_random_state:
+        return "it uses a random generator shared variable"
+    if spec.sliceable:
+        found = window(plan)
+        if found is None:
+            return ("its sliceable shared variables are read without a batch_s slice start:stop of explicit, "
+                    "non-negative bounds and the same row count in every rank")
+        if spec.inputs and counts != {found[1]}:
+            return "the batch_s rows differ from the scattered rows"
+    return None
+
+
+def window(plan: CallPlan) -> tuple[list[int], int] | None:
+    """Each rank's first row and the common row count of a ``batch_s`` given as slices
+    ``start:stop`` (step 1 or none, explicit bounds >= 0, the same count in every rank); else None."""
+    if plan.bs_kind != 1 or plan.bs is None:
+        return None
+    starts, counts = [], set()
+    for a, b, c in plan.bs.tolist():
+        if a == NONE or b == NONE or c not in (NONE, 1) or a < 0 or b <= a:
+            return None
+        starts.append(int(a))
+        counts.add(int(b - a))
+    return (starts, counts.pop()) if len(counts) == 1 else None
+
+
+def shapes_of(rep: Replica, device: Any) -> np.ndarray:
+    """This rank's shapes of the sliceable shared variables, flat (``ndim, *shape`` each), for
+    :func:`fit_reason`."""
+    flat: list[int] = []
+    for var in rep.spec.sliceable:
+        shape = tuple(device.raw(var).shape)
+        flat += [len(shape), *shape]
+    return np.array(flat, dtype=np.int64)
+
+
+def fit_reason(shapes: list[np.ndarray], plan: CallPlan) -> str | None:
+    """Why the sliceable shared variables do not fit one program: every rank's :func:`shapes_of`
+    (in rank order) must be the same, and every rank's window within the rows (None: they fit)."""
+    if any(not np.array_equal(s, shapes[0]) for s in shapes[1:]):
+        return "its sliceable shared variables have different shapes in the ranks"
+    found = window(plan)
+    assert found is not None
+    last = max(found[0]) + found[1]
+    i, flat = 0, shapes[0]
+    while i < len(flat):
+        ndim = int(flat[i])
+        if last > int(flat[i + 1]):
+            return "a batch_s slice reaches beyond the rows of a sliceable shared variable"
+        i += 1 + ndim
+    return None
+
+
+def _shard_map() -> Any:
+    try:
+        from jax import shard_map
+    except ImportError:  # jax < 0.7
+        from jax.experimental.shard_map import shard_map  # type: ignore[no-redef]
+    return shard_map
+
+
+def _output_form(op: str, dtype: np.dtype) -> str:
+    """How an output is reduced in the program: its op, or :data:`STACKED`."""
+    if op == "avg" and dtype.kind not in "fc":
+        return STACKED
+    if op in ("max", "min") and dtype.kind == "b":
+        return STACKED
+    return op
+
+
+def _reduce(value: Any, form: str, dtype: np.dtype) -> Any:
+    """One output of a rank, reduced over the ranks (inside ``shard_map``)."""
+    import jax
+
+    lax = jax.lax
+    if form == "sum":
+        return lax.psum(value, AXIS)
+    if form == "avg":
+        return lax.pmean(value, AXIS).astype(dtype)
+    if form == "max":
+        return lax.pmax(value, AXIS)
+    if form == "min":
+        return lax.pmin(value, AXIS)
+    if form == "prod":
+        return jax.numpy.prod(lax.all_gather(value, AXIS), axis=0).astype(dtype)
+    if form == "gather":
+        return lax.all_gather(value, AXIS, tiled=value.ndim > 0)
+    return lax.all_gather(value, AXIS)  # STACKED: the master combines the parts
+
+
+class Program:
+    """One function (one output subset) compiled as one program over the ranks.
+
+    Parameters
+    ----------
+    rep : Replica
+        The function in this worker (its JAX-mode PyTensor function is the source).
+    subset : tuple of int or None
+        The output subset.
+    mesh : jax.sharding.Mesh
+        The ranks' 1-D mesh (axis :data:`AXIS`).
+    """
+
+    def __init__(self, rep: Replica, subset: tuple[int, ...] | None, mesh: Any, count: int = 0) -> None:
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        from pytensor.link.jax.dispatch import jax_funcify
+
+        spec = rep.spec
+        self.n_scattered = len(spec.inputs)
+        n_explicit = len(spec.all_inputs)
+        self.sliceable = list(spec.sliceable) if count else []
+        if count:  # the sliceable variables whole, then a start each (RowWindow(count) in the graph)
+            fn = rep.selected(subset, count)
+            fgraph = fn.maker.fgraph
+            n_explicit += 2 * len(self.sliceable)
+            self.n_out = len(rep.output_variables(subset))
+            self.updated = [var for var, _ in spec.updates]
+            self.shared = list(fgraph.inputs[n_explicit:])
+            donate = [n_explicit + self.shared.index(v) for v in self.updated if v in self.shared]
+        else:  # updates as PyTensor compiles them: extra outputs, mapped to their inputs
+            fn = rep.full(subset)
+            fgraph = fn.maker.fgraph
+            self.shared = list(fgraph.inputs[n_explicit:])
+            updates = dict(fgraph.update_mapping)  # output position -> input position
+            self.n_out = len(fgraph.outputs) - len(updates)
+            donate = [updates[self.n_out + j] for j in range(len(updates))]
+            self.updated = [fgraph.inputs[i] for i in donate]
+        self.takes_shapes = bool(getattr(fn.maker.linker, "scalar_shape_inputs", ()))
+        variables = rep.output_variables(subset)
+        self.dtypes = [np.dtype(v.type.dtype) for v in variables]
+        self.forms = [_output_form(op, dt) for op, dt in zip(rep.output_ops(subset), self.dtypes)]
+        self.update_dtypes = [np.dtype(v.type.dtype) for v in self.updated]
+        local = jax_funcify(fgraph, synk_axis=AXIS, synk_weight=None)
+        n_out, forms, dtypes, update_dtypes = self.n_out, self.forms, self.dtypes, self.update_dtypes
+        asarray = jax.numpy.asarray  # an output may be a Python number (a static shape) or another dtype
+        first_start = len(spec.all_inputs) + len(self.sliceable)
+        starts = range(first_start, first_start + len(self.sliceable))
+
+        def body(*args: Any) -> tuple[Any, ...]:
+            args = tuple(a[0] if i in starts else a for i, a in enumerate(args))  # each start: a (1,) block
+            outs = local(*args)
+            outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+            results = [_reduce(asarray(o, dtype=dt), form, dt) for o, form, dt in zip(outs[:n_out], forms, dtypes)]
+            news = [asarray(u, dtype=dt) for u, dt in zip(outs[n_out:], update_dtypes)]
+            return (*results, *news)
+
+        in_specs = [P(AXIS) if i < self.n_scattered or i in starts else P() for i in range(len(fgraph.inputs))]
+        out_specs = tuple([P()] * (self.n_out + len(self.updated)))
+        mapped = _shard_map()(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
+        self.jitted = jax.jit(mapped, donate_argnums=tuple(donate))
+        self.rows = NamedSharding(mesh, P(AXIS))
+        self.replicated = NamedSharding(mesh, P())
+        self.size = int(mesh.devices.size)
+        self._last: Any = ()
+
+    def __call__(self, device: EngineDevice, scattered: list[np.ndarray], bcast: list[Any],
+                 start: int = 0) -> list[Any]:
+        """Run this rank's part: ``scattered`` its rows, ``bcast`` the broadcast values, ``start`` its
+        first row of the sliceable variables.  Stores the updated values; returns the outputs (global
+        arrays, replicated; not waited for)."""
+        jax = device.jax
+        dev = device.device
+        args = [jax.make_array_from_single_device_arrays((self.size * x.shape[0], *x.shape[1:]), self.rows,
+                                                         [jax.device_put(x, dev)]) for x in scattered]
+        args += [jax.make_array_from_single_device_arrays(np.shape(b), self.replicated, [jax.device_put(b, dev)])
+                 for b in bcast]
+        if self.sliceable:
+            args += [device.global_value(var, self.replicated) for var in self.sliceable]
+            first = jax.device_put(np.array([start], dtype=np.int32), dev)
+            args += [jax.make_array_from_single_device_arrays((self.size,), self.rows, [first])] * len(self.sliceable)
+        args += [device.global_value(var, self.replicated) for var in self.shared]
+        outs = self.jitted(*args)
+        self._last = outs
+        for var, new in zip(self.updated, outs[self.n_out:]):
+            device.store(var, new)
+        return list(outs[:self.n_out])
+
+    def wait(self) -> None:
+        """Until the last run has finished (its outputs and updated values)."""
+        import jax
+
+        jax.block_until_ready(self._last)
+        self._last = ()

@@ -1,0 +1,351 @@
+"""The JAX engine (``synk.fork(..., engine="jax")``): every call one program over the ranks, the
+ranks joined by JAX's multi-process runtime, here on JAX's CPU devices (gloo collectives) in 2 and
+3 worker processes.  References are numpy (how rows split, how parts combine) and plain PyTensor.
+
+Needs JAX (skipped without it): in CI, the 3.12 run of ``nox -s tests`` that installs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+pytest.importorskip("jax")
+
+from synk_engine_ops import RankSum, Stall
+from synk_testutil import TIMEOUT, assert_no_workers_left, combine, own_entries, parts
+
+import synkhronos as synk
+from synkhronos.runtime import current
+
+pytestmark = [pytest.mark.timeout(TIMEOUT),
+              pytest.mark.filterwarnings("ignore:Numba will use object mode:UserWarning")]
+
+PER_RANK = "runs as per-rank programs"
+
+
+def fork_engine(n: int) -> int:
+    return synk.fork(n, use_gpu=False, engine="jax")
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def engine(request):
+    """A group of ``request.param`` engine workers for the module (forked again by a test that
+    breaks it); yields the number of ranks."""
+    n = fork_engine(request.param)
+    assert current().engine is not None and current().size == n and current().group.size == n + 1
+    yield n
+    synk.close()
+    assert_no_workers_left()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def per_rank_logged(caplog) -> bool:
+    return PER_RANK in caplog.text
+
+
+# --- outputs and updates -------------------------------------------------------------------------
+
+def test_every_reduce_op_equals_numpy_in_one_program(engine, rng, caplog):
+    n = engine
+    x = pt.matrix("x")
+    ops = ["avg", "sum", "max", "min", "prod", None]
+    f = synk.function([x], outputs=[(x.sum(axis=0), "avg"), (x.sum(), "sum"), (x.max(axis=0), "max"),
+                                    (x.min(), "min"), (1 + 0.01 * x.sum(axis=0), "prod"), (x * 2, None),
+                                    (x.shape[0], "avg"), (pt.mean(x), None)])
+    xd = rng.standard_normal((4 * n, 3))
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(synk.data(xd))
+    assert not per_rank_logged(caplog)
+    ps = parts(xd, n)
+    w = [len(p) for p in ps]
+    refs = [combine(op, [v for v in vals], w) for op, vals in zip(
+        ops, [[p.sum(axis=0) for p in ps], [p.sum() for p in ps], [p.max(axis=0) for p in ps],
+              [p.min() for p in ps], [1 + 0.01 * p.sum(axis=0) for p in ps], [p * 2 for p in ps]])]
+    for g, r in zip(got[:6], refs):
+        np.testing.assert_allclose(g, r, rtol=1e-12)
+    assert got[6] == pytest.approx(4.0) and got[6].dtype == np.float64  # an integer avg is a float mean
+    np.testing.assert_allclose(got[7], [p.mean() for p in ps])  # 0-d values gather to shape (n,)
+
+
+def test_updates_apply_locally_in_each_rank(engine, rng):
+    n = engine
+    x = pt.matrix("x")
+    w = pytensor.shared(np.zeros(3), name="w")
+    count = pytensor.shared(np.int64(0), name="count")  # a 0-d shared variable
+    f = synk.function([x], outputs=(x.sum(), "sum"), updates=[(w, w + x.sum(axis=0)), (count, count + 1)])
+    xd = rng.standard_normal((2 * n, 3))
+    for _ in range(2):
+        f(synk.data(xd))
+    for r, p in enumerate(parts(xd, n)):
+        np.testing.assert_allclose(synk.get_value(r, w), 2 * p.sum(axis=0), rtol=1e-12)
+        assert int(synk.get_value(r, count)) == 2
+    np.testing.assert_allclose(w.get_value(), 2 * parts(xd, n)[0].sum(axis=0))  # the master reads rank 0's
+    w.set_value(np.ones(3))  # compute rank 0's value (the master's, in the seed's terms)
+    f(synk.data(xd))
+    for r, p in enumerate(parts(xd, n)):
+        start = 1 if r == 0 else 2 * p.sum(axis=0)
+        np.testing.assert_allclose(synk.get_value(r, w), start + p.sum(axis=0), rtol=1e-12)
+
+
+def test_output_subset_givens_and_bcast_inputs(engine, rng, caplog):
+    n = engine
+    x, y = pt.matrix("x"), pt.vector("y")
+    scale = pytensor.shared(np.float64(3.0), name="scale")
+    z = pt.scalar("z")
+    f = synk.function([x], bcast_inputs=[y], outputs=[(x.dot(y), None), ((x * z).sum(), "sum"), (x.max(), "max")],
+                      givens=[(z, scale)])
+    xd, yd = rng.standard_normal((3 * n, 4)), rng.standard_normal(4)
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        full = f(synk.data(xd), synk.data(yd))
+        sub = f(synk.data(xd), synk.data(yd), output_subset=[2, 0])
+    assert not per_rank_logged(caplog)
+    np.testing.assert_allclose(full[0], xd.dot(yd), rtol=1e-12)
+    assert full[1] == pytest.approx(3 * xd.sum())
+    assert sub[0] == pytest.approx(xd.max())
+    np.testing.assert_allclose(sub[1], xd.dot(yd), rtol=1e-12)
+
+
+def test_batch_indices_slices_and_counts(engine, rng, caplog):
+    n = engine
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=[(x, None), (x.sum(), "sum")])
+    xd = rng.standard_normal((10 * n, 2))
+    d = synk.data(xd)
+    index = rng.permutation(len(xd))[:4 * n]
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        for batch, rows in [(index, xd[index]), (2 * n, xd[:2 * n]), (slice(n, 5 * n), xd[n:5 * n]),
+                            (slice(0, 8 * n, 2), xd[0:8 * n:2])]:
+            got = f(d, batch=batch)
+            np.testing.assert_allclose(got[0], rows, rtol=1e-12)
+            assert got[1] == pytest.approx(rows.sum())
+    assert not per_rank_logged(caplog)
+
+
+# --- what runs per rank, still right ---------------------------------------------------------------
+
+def test_uneven_shares_num_slices_and_batch_s_run_per_rank_and_are_right(engine, rng, caplog):
+    n = engine
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=[(x.sum(axis=0), "avg"), (x, None)])
+    xd = rng.standard_normal((2 * n + 1, 3))
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(synk.data(xd))
+    assert "uneven shares" in caplog.text
+    np.testing.assert_allclose(got[0], combine("avg", [p.sum(axis=0) for p in parts(xd, n)],
+                                               [len(p) for p in parts(xd, n)]), rtol=1e-12)
+    np.testing.assert_allclose(got[1], xd, rtol=1e-12)
+    xd = rng.standard_normal((4 * n, 3))
+    got = f(synk.data(xd), num_slices=2)
+    np.testing.assert_allclose(got[0], xd.sum(axis=0) / (2 * n), rtol=1e-12)  # avg of the 2n slices' sums
+    np.testing.assert_allclose(got[1], xd, rtol=1e-12)
+    s = pytensor.shared(np.zeros((4, 2)), name="s")
+    g = synk.function([], outputs=(s.sum(), "sum"), sliceable_shareds=[s])
+    sd = np.arange(8.0).reshape(4, 2)
+    s.set_value(sd)
+    assert g(batch_s=slice(1, 3)) == pytest.approx(n * sd[1:3].sum())
+
+
+def test_batch_s_windows_of_sliceable_shareds_run_in_the_program(engine, rng, caplog):
+    n = engine
+    s = pytensor.shared(np.zeros((1, 2)), name="s")
+    w = pytensor.shared(np.zeros(2), name="w")
+    x = pt.matrix("x")
+    f = synk.function([], outputs=[(s.sum(axis=0), "sum"), (s, None)], updates=[(w, w + s.sum(axis=0))],
+                      sliceable_shareds=[s])
+    g = synk.function([x], outputs=(x.dot(s.T).sum(), "sum"), sliceable_shareds=[s])
+    values = rng.standard_normal((6 * n, 2))
+    synk.scatter(s, synk.data(values))
+    ps = parts(values, n)
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(batch_s=slice(1, 4))
+        per_rank_rows = [slice(r % 3, r % 3 + 2) for r in range(n)]
+        got2 = f(batch_s=per_rank_rows)
+        xd = rng.standard_normal((3 * n, 2))
+        got3 = g(synk.data(xd), batch_s=slice(2, 5))
+    assert not per_rank_logged(caplog)
+    np.testing.assert_allclose(got[0], sum(p[1:4].sum(axis=0) for p in ps), rtol=1e-12)
+    np.testing.assert_allclose(got[1], np.concatenate([p[1:4] for p in ps]), rtol=1e-12)
+    np.testing.assert_allclose(got2[1], np.concatenate([p[sel] for p, sel in zip(ps, per_rank_rows)]), rtol=1e-12)
+    for r, (p, sel) in enumerate(zip(ps, per_rank_rows)):
+        np.testing.assert_allclose(synk.get_value(r, w), p[1:4].sum(axis=0) + p[sel].sum(axis=0), rtol=1e-12)
+    xs = parts(xd, n)
+    assert got3 == pytest.approx(sum(xp.dot(p[2:5].T).sum() for xp, p in zip(xs, ps)))
+    with caplog.at_level(logging.INFO, logger="synkhronos"):  # past the rows: per rank, Python's slicing
+        got = f(batch_s=slice(4, 9))
+    assert "beyond the rows" in caplog.text
+    np.testing.assert_allclose(got[1], np.concatenate([p[4:9] for p in ps]), rtol=1e-12)
+    synk.scatter(s, synk.data(values[:6 * n - 1]))  # one rank holds a row less
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(batch_s=slice(0, 2))
+    assert "different shapes" in caplog.text
+    np.testing.assert_allclose(got[1], np.concatenate([p[0:2] for p in parts(values[:6 * n - 1], n)]), rtol=1e-12)
+
+
+# --- in-graph collectives through synk_axis --------------------------------------------------------
+
+def test_a_psum_op_gives_the_full_batch_gradient(engine, rng):
+    n = engine
+    x, y = pt.matrix("x"), pt.matrix("y")
+    w0 = rng.standard_normal((3, 2))
+    w = pytensor.shared(w0.copy(), name="w")
+    batch = 4 * n
+    loss_local = pt.sum((x.dot(w) - y) ** 2)
+    grad = RankSum()(pytensor.grad(loss_local, w)) / batch
+    f = synk.function([x, y], outputs=(RankSum()(loss_local) / batch, "avg"), updates=[(w, w - 0.1 * grad)])
+    xd, yd = rng.standard_normal((batch, 3)), rng.standard_normal((batch, 2))
+    loss = f(synk.data(xd), synk.data(yd))
+    full_grad = 2 * xd.T.dot(xd.dot(w0) - yd) / batch
+    assert loss == pytest.approx(np.sum((xd.dot(w0) - yd) ** 2) / batch)
+    for r in range(n):
+        np.testing.assert_allclose(synk.get_value(r, w), w0 - 0.1 * full_grad, rtol=1e-10)
+
+
+def test_a_graph_with_collectives_refuses_to_run_per_rank(engine, rng):
+    n = engine
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=(RankSum()(x.sum()), "avg"))
+    xd = rng.standard_normal((2 * n + 1, 2))
+    with pytest.raises(ValueError, match="in-graph collective"):
+        f(synk.data(xd))
+    assert f(synk.data(xd[:2 * n])) == pytest.approx(xd[:2 * n].sum())  # the group is still usable
+
+
+def test_collectives_on_shared_variables_and_chain(engine, rng):
+    """Carried out by the master (engine.collectives); a chain runs its three operations one by one."""
+    n = engine
+    w = pytensor.shared(np.zeros(3), name="w")
+    f = synk.function([], outputs=(w.sum(), "sum"))
+    values = rng.standard_normal((3 * n, 3))
+    parts_ = parts(values, n)
+    for r, p in enumerate(parts_):
+        synk.set_value(r, w, p.sum(axis=0))
+    np.testing.assert_allclose(synk.gather(w), np.stack([p.sum(axis=0) for p in parts_]))
+    assert f() == pytest.approx(values.sum())
+    synk.all_reduce(w, op="avg")
+    np.testing.assert_allclose(synk.gather(w), np.tile(values.sum(axis=0) / n, (n, 1)), rtol=1e-12)
+    w.set_value(np.ones(3))  # compute rank 0's only, as the master's in the seed
+    assert f() == pytest.approx(3 + (n - 1) * values.sum() / n)
+    synk.broadcast(w)
+    assert f() == pytest.approx(3 * n)
+    m = pytensor.shared(np.zeros((1, 2)), name="m")
+    synk.function([], outputs=m.sum())
+    synk.scatter(m, synk.data(np.arange(4.0 * n).reshape(2 * n, 2)))
+    assert synk.get_lengths(m) == [2] * n
+    np.testing.assert_allclose(synk.reduce(m, op="sum", in_place=False), np.arange(4.0 * n).reshape(n, 2, 2).sum(0))
+    step = synk.chain(f, all_reduce=w, op="sum", then=synk.function([], updates=[(w, w * 2)]))
+    assert step() == pytest.approx(3 * n)  # first's output, before the all-reduce
+    np.testing.assert_allclose(synk.gather(w), np.full((n, 3), 2.0 * n))
+
+
+def test_values_stay_readable_after_close(engine, rng):
+    n = engine
+    x = pt.matrix("x")
+    w = pytensor.shared(np.zeros(2), name="w")
+    f = synk.function([x], updates=[(w, w + x.sum(axis=0))])
+    xd = rng.standard_normal((2 * n, 2))
+    f(synk.data(xd))
+    synk.close()  # reads compute rank 0's values first
+    np.testing.assert_allclose(w.get_value(), parts(xd, n)[0].sum(axis=0), rtol=1e-12)
+    fork_engine(n)
+
+
+# --- failure ---------------------------------------------------------------------------------------
+
+def _check_group_gone(prefix: str) -> None:
+    synk.close()
+    assert_no_workers_left()
+    assert own_entries(prefix) == []
+
+
+def _works(n: int) -> None:
+    x = pt.vector("x")
+    f = synk.function([x], outputs=(x.sum(), "sum"))
+    assert f(synk.data(np.arange(2.0 * n))) == pytest.approx(np.arange(2.0 * n).sum())
+
+
+def test_a_worker_killed_during_a_call_fails_it_quickly_and_fork_works_again(engine):
+    n = engine
+    x = pt.vector("x")
+    f = synk.function([x], outputs=(RankSum()(Stall(3.0)(x).sum()), "sum"))
+    group = current().group
+    victim = group._procs[n]  # the last compute rank (group rank n)
+    killed: list[float] = []
+
+    def kill() -> None:
+        os.kill(victim.pid, signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    with pytest.raises(synk.WorkerDiedError, match="died"):
+        f(synk.data(np.ones(2 * n)))
+    timer.join()
+    assert time.monotonic() - killed[0] < 5
+    _check_group_gone(group.prefix)
+    fork_engine(n)
+    _works(n)
+
+
+def test_a_worker_raising_alone_inside_a_program_fails_the_call_quickly(engine):
+    n = engine
+    x = pt.vector("x")
+    f = synk.function([x], outputs=(RankSum()(Stall(0.0, fail_rank=n - 1)(x).sum()), "avg"))
+    group = current().group
+    assert f(synk.data(np.ones(2 * n))) == pytest.approx(2 * n)  # compiled; every rank fine
+    t0 = time.monotonic()
+    with pytest.raises(synk.WorkerError, match="fails on purpose"):
+        f(synk.data(-np.ones(2 * n)))
+    assert time.monotonic() - t0 < 5  # the ranks stuck in the all-reduce with it are stopped
+    _check_group_gone(group.prefix)
+    fork_engine(n)
+    _works(n)
+
+
+def test_a_worker_killed_between_calls_fails_the_next_call(engine):
+    n = engine
+    group = current().group
+    os.kill(group._procs[1].pid, signal.SIGKILL)  # compute rank 0: it hosts JAX's coordination service
+    t0 = time.monotonic()
+    with pytest.raises(synk.WorkerDiedError):
+        _works(n)
+    assert time.monotonic() - t0 < 5
+    _check_group_gone(group.prefix)
+    fork_engine(n)
+    _works(n)
+
+
+def test_scalars_integers_booleans_and_no_outputs(engine, rng, caplog):
+    n = engine
+    k = pt.lvector("k")
+    c = pt.scalar("c", dtype="float32")
+    count = pytensor.shared(np.float32(0.0), name="count")
+    f = synk.function([k], bcast_inputs=[c], outputs=[(k.sum(), "sum"), (k > 3, None), ((k > 3).any(), "max"),
+                                                      ((k > 3).all(), "min"), (k.max(), "avg"), (k * c, "prod")])
+    g = synk.function([k], updates=[(count, count + k.sum().astype("float32"))])
+    kd = rng.integers(0, 7, 2 * n).astype("int64")
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(synk.data(kd), synk.data(np.array(0.5, dtype="float32")))
+        assert g(synk.data(kd)) is None
+    assert not per_rank_logged(caplog)
+    ps = parts(kd, n)
+    assert got[0] == kd.sum() and got[0].dtype == np.int64
+    np.testing.assert_array_equal(got[1], kd > 3)
+    assert bool(got[2]) == any(bool((p > 3).any()) for p in ps)
+    assert bool(got[3]) == all(bool((p > 3).all()) for p in ps)
+    assert got[4] == pytest.approx(np.mean([p.max() for p in ps]))
+    np.testing.assert_allclose(got[5], np.prod([p * 0.5 for p in ps], axis=0), rtol=1e-6)
+    for r, p in enumerate(ps):
+        assert float(synk.get_value(r, count)) == pytest.approx(p.sum())
