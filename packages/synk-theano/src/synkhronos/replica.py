@@ -20,7 +20,6 @@ subset is a function of its own, compiled on first use and cached):
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
