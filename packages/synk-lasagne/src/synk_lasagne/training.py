@@ -59,6 +59,7 @@ import numpy as np
 
 from synk_lasagne import updates as _updates
 from synk_lasagne.updates import RuleUpdates
+from synkhronos.engine import NotOneProgramError
 
 __all__ = ["EvalFunction", "TrainFunction", "Trainer", "in_graph_all_reduce_pays", "load_checkpoint",
            "make_eval_function", "make_train_function", "save_checkpoint"]
@@ -171,7 +172,8 @@ class TrainFunction:
         num_slices : int, optional
             Accumulate each rank's gradient over this many slices (to bound memory); > 1 runs
             :attr:`chain` instead of :attr:`function` (as do GPUs, see
-            :func:`in_graph_all_reduce_pays`).
+            :func:`in_graph_all_reduce_pays`, and, under the JAX engine, a batch that does not
+            split evenly over the ranks).
 
         Returns
         -------
@@ -187,7 +189,10 @@ class TrainFunction:
         if _empty(batch):
             raise ValueError("the batch is empty: a training step needs at least one row")
         step = self.function if num_slices == 1 and in_graph_all_reduce_pays() else self.chain
-        out = step(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
+        try:
+            out = step(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
+        except NotOneProgramError:  # the JAX engine, uneven shares: refused before any rank acted
+            out = self.chain(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
         return out[0] if len(self.output_names) == 1 else out
 
     def __repr__(self) -> str:

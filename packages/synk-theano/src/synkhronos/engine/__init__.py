@@ -67,3 +67,9 @@ def choose(engine: str | None) -> str:
         raise ValueError(f"{source}={name!r} is not an engine: use one of {', '.join(map(repr, ENGINES))}")
     return name
 
+
+class NotOneProgramError(ValueError):
+    """A call of a function with in-graph collectives (:mod:`synkhronos.ops`) that cannot run as one
+    program over the ranks (uneven shares, ``num_slices`` > 1, ...): raised in the master before any
+    worker acts, so a caller may run the step another way (as ``synk_lasagne``'s train function
+    does, through its chain)."""

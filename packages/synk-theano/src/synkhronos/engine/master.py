@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from synkhronos import calls
-from synkhronos.engine import CALL, PROGRAM, VALUE
+from synkhronos.engine import CALL, PROGRAM, VALUE, NotOneProgramError
 from synkhronos.engine.launch import ABORT_GRACE_S
 from synkhronos.engine.program import STACKED, _output_form, fit_reason, per_rank_reason
 from synkhronos.reduce_ops import combine
@@ -49,14 +49,14 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
 
     Raises
     ------
-    ValueError
-        If the call cannot run as one program and the function's graph holds in-graph collectives
+    NotOneProgramError
+        A ValueError: the call cannot run as one program and the function's graph holds in-graph collectives
         (Ops marked ``synk_collective = True``), which only mean something inside the program.
     """
     spec = rep.spec
     reason = per_rank_reason(rep, plan)
     if reason is not None and rep.has_collectives:
-        raise ValueError(f"{spec.name or 'this function'} uses in-graph collectives, which run only in one "
+        raise NotOneProgramError(f"{spec.name or 'this function'} uses in-graph collectives, which run only in one "
                          f"program over the ranks, and this call cannot run as one: {reason}. Split the rows "
                          "evenly over the ranks (batch=) and call without num_slices")
     with rt.group.command(CALL):
