@@ -37,8 +37,8 @@ def reference_conv(x, w, stride=1, pad="valid", dilation=1, groups=1):
     if pad == "valid":
         pads = ((0, 0), (0, 0))
     elif pad in ("full", "same"):
-        eh, ew = dh * (kh - 1), dw * (kw - 1)
-        pads = ((eh, eh), (ew, ew)) if pad == "full" else ((eh // 2, eh // 2), (ew // 2, ew // 2))
+        eh, ew = dh * (kh - 1), dw * (kw - 1)  # the dilated filter's size, less one
+        pads = ((eh, eh), (ew, ew)) if pad == "full" else (((eh + 1) // 2,) * 2, ((ew + 1) // 2,) * 2)
     elif np.isscalar(pad):
         pads = ((pad, pad), (pad, pad))
     elif np.isscalar(pad[0]):

@@ -22,8 +22,9 @@ Each Op runs
 
 Shapes: ``x`` is ``(batch, channels, height, width)``; ``w`` is ``(filters, channels // groups,
 filter_height, filter_width)``.  Padding is ``"valid"`` (none), ``"full"`` (``dilated_size - 1``
-each side), ``"same"`` (``dilated_size // 2`` each side: the input's size at stride 1 for odd
-filters), an int, a pair ``(pad_h, pad_w)``, or ``((top, bottom), (left, right))``.
+each side), ``"same"`` (``dilated_size // 2`` each side, as Lasagne and Theano's ``"half"``: the
+input's size at stride 1 for odd filters, one more for even ones), an int, a pair
+``(pad_h, pad_w)``, or ``((top, bottom), (left, right))``.
 
 Example
 -------
@@ -99,9 +100,9 @@ def resolve_pad(pad: PadSpec, filter_size: tuple[Any, Any], dilation: tuple[int,
 
     ``filter_size`` may be ints or symbolic scalars (for shape inference)."""
     if isinstance(pad, str):
-        dilated = [d * (k - 1) for k, d in zip(filter_size, dilation)]
+        dilated = [d * (k - 1) + 1 for k, d in zip(filter_size, dilation)]
         if pad == "full":
-            return tuple((s, s) for s in dilated)
+            return tuple((s - 1, s - 1) for s in dilated)
         return tuple((s // 2, s // 2) for s in dilated)
     return pad
 
@@ -173,8 +174,8 @@ def _make_node_checks(x: Any, w: Any, groups: int) -> None:
 class Conv2D(_ConvBase):
     """``conv2d(x, w)``: see :func:`conv2d`."""
 
-    def make_node(self, x: Any, w: Any) -> Any:
-        x, w = as_tensor_variable(x), as_tensor_variable(w)
+    def make_node(self, *inputs: Any) -> Apply:
+        x, w = (as_tensor_variable(v) for v in inputs)
         _make_node_checks(x, w, self.groups)
         dtype = np.result_type(x.type.dtype, w.type.dtype).name
         static_hw = self._output_hw(x.type.shape[2:], w.type.shape[2:]) \
@@ -205,8 +206,8 @@ class _ConvGrad(_ConvBase):
 
     wrt = 0
 
-    def make_node(self, x: Any, w: Any, gz: Any) -> Any:
-        x, w, gz = (as_tensor_variable(v) for v in (x, w, gz))
+    def make_node(self, *inputs: Any) -> Apply:
+        x, w, gz = (as_tensor_variable(v) for v in inputs)
         _make_node_checks(x, w, self.groups)
         like = (x, w)[self.wrt]
         dtype = np.result_type(like.type.dtype, gz.type.dtype).name

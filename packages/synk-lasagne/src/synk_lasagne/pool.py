@@ -107,8 +107,8 @@ def _check_input(x: Any) -> None:
 class Pool2D(_PoolBase):
     """``pool2d(x)``: see :func:`pool2d`."""
 
-    def make_node(self, x: Any) -> Any:
-        x = as_tensor_variable(x)
+    def make_node(self, *inputs: Any) -> Apply:
+        (x,) = (as_tensor_variable(v) for v in inputs)
         _check_input(x)
         shape = (*x.type.shape[:-2], *self._output_hw(x.type.shape[-2:]))
         return Apply(self, [x], [TensorType(x.type.dtype, shape=shape)()])
@@ -134,8 +134,8 @@ class Pool2DGrad(_PoolBase):
 
     For max pooling the gradient of each window goes to its first largest value."""
 
-    def make_node(self, x: Any, gz: Any) -> Any:
-        x, gz = as_tensor_variable(x), as_tensor_variable(gz)
+    def make_node(self, *inputs: Any) -> Apply:
+        x, gz = (as_tensor_variable(v) for v in inputs)
         _check_input(x)
         return Apply(self, [x, gz], [TensorType(x.type.dtype, shape=x.type.shape)()])
 

@@ -173,7 +173,10 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     Two Synkhronos functions and one collective, chained into one command per call
     (:func:`synkhronos.chain`): ``grad_fn`` (every rank: the loss and its gradient on its share of
     the batch, into the flat gradient), the all-reduce of the flat gradient (avg), ``step_fn``
-    (every rank: the same update).  Call it as a Synkhronos function:
+    (every rank: the same update).  The state updates of the layers the loss is built on
+    (:func:`synk_lasagne.layers.get_state_updates`: batch norm's running averages from each
+    rank's own share of the batch, dropout's generators) are applied by ``grad_fn`` in each rank.
+    Call it as a Synkhronos function:
     ``train(x_data, y_data, batch=indices)`` for data in host shared memory, or
     ``train(batch_s=rows)`` for data scattered into sliceable shared variables.
 
@@ -214,6 +217,7 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     """
 
     import synkhronos as synk
+    from synk_lasagne.layers.base import get_state_updates
 
     inputs = list(inputs)
     sliceable = list(sliceable_shareds or [])
@@ -228,8 +232,10 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         result = RuleUpdates(*result)
     names, extra = _outputs(outputs)
     fkw = dict(function_kwargs or {})
+    state = get_state_updates([loss, *(e[0] if isinstance(e, tuple) else e for e in extra)])
     grad_fn = synk.function(inputs, outputs=[(loss, "avg"), *extra], bcast_inputs=bcast_inputs,
-                            updates=result.grad_updates, givens=givens, sliceable_shareds=sliceable or None, **fkw)
+                            updates=[*result.grad_updates, *state], givens=givens,
+                            sliceable_shareds=sliceable or None, **fkw)
     step_fn = synk.function([], updates=list(result.param_updates.items()), **fkw)
     return TrainFunction(grad_fn, step_fn, result, params, ["loss", *names], inputs, sliceable)
 
