@@ -27,7 +27,9 @@ def create_param(spec: Any, shape: Sequence[int], name: str | None = None) -> An
     ----------
     spec : shared variable, numpy array, or callable
         Used as is (its shape must be ``shape``), wrapped as a floatX shared variable, or called
-        with ``shape`` (an initialiser of :mod:`synk_lasagne.init`).
+        with ``shape`` (an initialiser of :mod:`synk_lasagne.init`).  New variables have
+        ``shape`` as their static shape, so that the output shapes of convolutions are known to
+        PyTensor (and stay concrete under its JAX backend).
     shape : tuple of int
     name : str, optional
 
@@ -57,7 +59,7 @@ def create_param(spec: Any, shape: Sequence[int], name: str | None = None) -> An
         value = np.asarray(value, dtype=pytensor.config.floatX)
         if value.shape != shape:
             raise ValueError(f"parameter {name!r}: the value has shape {value.shape}, the layer needs {shape}")
-        return pytensor.shared(value, name=name)
+        return pytensor.shared(value, name=name, shape=shape)  # static: every layer above knows its shapes
     raise TypeError(f"parameter {name!r}: give a shared variable, a numpy array or an initialiser "
                     f"(synk_lasagne.init), got {type(spec).__name__}")
 
