@@ -92,7 +92,7 @@ def build_resnet(depth: int = 50, image_size: int = 224, n_classes: int = 1000, 
     if depth not in DEPTHS:
         raise ValueError(f"depth must be one of {sorted(DEPTHS)}, got {depth}")
     kind, counts = DEPTHS[depth]
-    net = layers.InputLayer((None, 3, image_size, image_size), input_var=input_var, name="input")
+    net: layers.Layer = layers.InputLayer((None, 3, image_size, image_size), input_var=input_var, name="input")
     net = _conv_bn(net, width, 7, 2, name="conv1")
     net = layers.MaxPool2DLayer(net, 3, stride=2, pad=1)
     for stage, count in enumerate(counts):
