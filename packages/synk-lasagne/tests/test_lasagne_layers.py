@@ -274,3 +274,17 @@ def test_regularization():
     assert float(regularization.regularize_layer_params(hidden, regularization.l2).eval()) == 6
     weighted = regularization.regularize_layer_params_weighted({hidden: 0.5, out: 0.1}, regularization.l2)
     assert np.isclose(float(weighted.eval()), 3 + 0.8)
+
+
+def test_dropout_and_batch_norm_under_jax():
+    """The random draws and the running averages work on PyTensor's JAX backend too (what GPU mode runs)."""
+    pytest.importorskip("jax")
+    net = layers.InputLayer((None, 2, 50, 4))
+    out_layer = layers.BatchNormLayer(layers.DropoutLayer(net, p=0.5))
+    out = layers.get_output(out_layer)
+    f = pytensor.function([net.input_var], out, updates=layers.get_state_updates(out), mode="JAX")
+    x = np.ones((4, 2, 50, 4))
+    first, second = np.asarray(f(x)), np.asarray(f(x))
+    assert not np.array_equal(first, second)
+    assert 0.4 < np.mean(first < 0) < 0.6  # dropped values normalize below the batch mean, kept ones above
+    assert np.all(out_layer.mean.get_value() > 0)

@@ -344,7 +344,13 @@ def _register_backends() -> None:
 
     @jax_funcify.register(Conv2D)
     def _jax_conv2d(op: Any, node: Any = None, **kwargs: Any) -> Any:
-        return op._jax_conv()
+        conv = op._jax_conv()
+        dtype = node.outputs[0].type.dtype
+
+        def conv2d(x: Any, w: Any) -> Any:  # in the declared dtype (JAX may hold float64 values)
+            return conv(x.astype(dtype), w.astype(dtype))
+
+        return conv2d
 
     @jax_funcify.register(Conv2DGradInputs)
     @jax_funcify.register(Conv2DGradWeights)
@@ -353,13 +359,15 @@ def _register_backends() -> None:
 
         conv = op._jax_conv()
         wrt = op.wrt
+        dtype = node.outputs[0].type.dtype
 
         def grad(x: Any, w: Any, gz: Any) -> Any:
+            x, w, gz = x.astype(dtype), w.astype(dtype), gz.astype(dtype)
             if wrt == 0:
                 _, vjp = jax.vjp(lambda a: conv(a, w), x)
             else:
                 _, vjp = jax.vjp(lambda b: conv(x, b), w)
-            return vjp(gz.astype(x.dtype))[0]
+            return vjp(gz)[0]
 
         return grad
 

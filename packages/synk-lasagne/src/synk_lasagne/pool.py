@@ -246,17 +246,24 @@ def _register_backends() -> None:
 
     @jax_funcify.register(Pool2D)
     def _jax_pool2d(op: Any, node: Any = None, **kwargs: Any) -> Any:
-        return op._jax_pool()
+        pool = op._jax_pool()
+        dtype = node.outputs[0].type.dtype
+
+        def pool2d(x: Any) -> Any:  # in the declared dtype (JAX may hold float64 values)
+            return pool(x.astype(dtype))
+
+        return pool2d
 
     @jax_funcify.register(Pool2DGrad)
     def _jax_pool2d_grad(op: Any, node: Any = None, **kwargs: Any) -> Any:
         import jax
 
         pool = op._jax_pool()
+        dtype = node.outputs[0].type.dtype
 
         def grad(x: Any, gz: Any) -> Any:
-            _, vjp = jax.vjp(pool, x)
-            return vjp(gz.astype(x.dtype))[0]
+            _, vjp = jax.vjp(pool, x.astype(dtype))
+            return vjp(gz.astype(dtype))[0]
 
         return grad
 

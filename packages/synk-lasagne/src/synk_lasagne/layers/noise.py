@@ -58,8 +58,9 @@ class DropoutLayer(Layer):
             input = input / keep
         shared = [a % input.ndim for a in self.shared_axes]
         mask_shape = tuple(1 if a in shared else input.shape[a] for a in range(input.ndim))
-        next_rng, mask = pt.random.binomial(1, keep, size=mask_shape, rng=self.rng, return_next_rng=True)
-        mask = pt.cast(mask, pytensor.config.floatX)
+        # uniform draws, not binomial: PyTensor's JAX backend has binomial only with NumPyro installed
+        next_rng, draws = pt.random.uniform(0.0, 1.0, size=mask_shape, rng=self.rng, return_next_rng=True)
+        mask = pt.cast(pt.lt(draws, keep), pytensor.config.floatX)
         if shared:
             mask = pt.specify_broadcastable(mask, *shared)
         output = input * mask
