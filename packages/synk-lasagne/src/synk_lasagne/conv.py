@@ -184,6 +184,7 @@ class Conv2D(_ConvBase):
         return Apply(self, [x, w], [TensorType(dtype, shape=shape)()])
 
     def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        """The convolution in numpy: im2col and one batched matrix product per group."""
         x, w = inputs
         out = _conv_forward(x, w, self.stride, self._pads(w.shape[2:]), self.dilation, self.groups)
         output_storage[0][0] = out.astype(node.outputs[0].type.dtype, copy=False)
@@ -217,6 +218,7 @@ class _ConvGrad(_ConvBase):
         return [args[-1][self.wrt]]
 
     def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        """The gradient in numpy: matrix products with the im2col columns (and col2im for ``x``)."""
         x, w, gz = inputs
         pads = self._pads(w.shape[2:])
         grad = _conv_grad(x, w, gz, self.stride, pads, self.dilation, self.groups, self.wrt)

@@ -114,6 +114,7 @@ class Pool2D(_PoolBase):
         return Apply(self, [x], [TensorType(x.type.dtype, shape=shape)()])
 
     def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        """The pooling in numpy: one strided view per window tap."""
         (x,) = inputs
         output_storage[0][0] = _pool_forward(x, self.ws, self.stride, self.pad, self.mode)
 
@@ -140,6 +141,7 @@ class Pool2DGrad(_PoolBase):
         return Apply(self, [x, gz], [TensorType(x.type.dtype, shape=x.type.shape)()])
 
     def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        """The gradient in numpy: each output's gradient added back to its window's taps."""
         x, gz = inputs
         output_storage[0][0] = _pool_grad(x, gz, self.ws, self.stride, self.pad, self.mode)
 

@@ -1,12 +1,12 @@
 """Weight penalties (Lasagne's ``lasagne.regularization``).
 
-==================================  ================================================================
-:func:`l2`, :func:`l1`              ``sum(x ** 2)``, ``sum(|x|)``
-:func:`apply_penalty`               the sum of a penalty over tensors
-:func:`regularize_layer_params`     over the parameters of some layers (``regularizable`` ones)
-:func:`regularize_layer_params_weighted`  a coefficient per layer
-:func:`regularize_network_params`   over every layer of a network
-==================================  ================================================================
+=========================================  =========================================================
+:func:`l2`, :func:`l1`                     ``sum(x ** 2)``, ``sum(|x|)``
+:func:`apply_penalty`                      the sum of a penalty over tensors
+:func:`regularize_layer_params`            over the parameters of some layers (``regularizable`` ones)
+:func:`regularize_layer_params_weighted`   a coefficient per layer
+:func:`regularize_network_params`          over every layer of a network
+=========================================  =========================================================
 
 Penalties do not depend on the rows, so they belong in the loss of a data-parallel step as they
 are: each rank adds the same term, and the weighted average of the ranks keeps it once.

@@ -171,7 +171,7 @@ class Layer:
         raise NotImplementedError(f"{type(self).__name__} must implement get_output_for")
 
     def add_param(self, spec: Any, shape: Sequence[int], name: str | None = None, **tags: bool) -> Any:
-        """Make (see :func:`create_param`), register and return a parameter.
+        """Make (from an initialiser, an array or a shared variable), register and return a parameter.
 
         Tags default to ``trainable=True, regularizable=True``; pass ``False`` to drop one."""
         if name is not None and self.name is not None:

@@ -100,6 +100,9 @@ def get_output(layer_or_layers: Any, inputs: Any = None, **kwargs: Any) -> Any:
             raise ValueError(f"get_output got one input expression for {len(input_layers)} InputLayers: pass a "
                              "dict {input_layer: expression}")
         outputs[input_layers[0]] = pt.as_tensor_variable(inputs)
+    for lay in outputs:
+        if isinstance(lay, InputLayer):
+            outputs[lay] = _with_static_shape(outputs[lay], lay.shape)
     for lay in all_layers:
         if lay in outputs:
             continue
@@ -113,6 +116,20 @@ def get_output(layer_or_layers: Any, inputs: Any = None, **kwargs: Any) -> Any:
         outputs[lay] = lay.get_output_for(layer_inputs, **kwargs)
     results = [outputs[lay] for lay in layers]
     return results[0] if single else results
+
+
+def _with_static_shape(expression: Any, shape: tuple[int | None, ...]) -> Any:
+    """``expression`` with the InputLayer's lengths as its static shape (``specify_shape``) where
+    it has none: the layers above then know their shapes (concrete under PyTensor's JAX backend)."""
+    import pytensor.tensor as pt
+
+    if expression.ndim != len(shape):
+        raise ValueError(f"the input expression has {expression.ndim} dimensions; the InputLayer's shape {shape} "
+                         f"has {len(shape)}")
+    known = expression.type.shape
+    if all(want is None or have is not None for want, have in zip(shape, known)):
+        return expression
+    return pt.specify_shape(expression, tuple(have if want is None else want for want, have in zip(shape, known)))
 
 
 def get_output_shape(layer_or_layers: Any) -> Any:
