@@ -48,6 +48,8 @@ from pytensor.graph.op import Op
 from pytensor.tensor import as_tensor_variable
 from pytensor.tensor.type import TensorType
 
+from synk_lasagne._backends import register_jax, register_perform
+
 __all__ = ["Conv2D", "Conv2DGradInputs", "Conv2DGradWeights", "conv2d", "conv_output_length"]
 
 PadSpec = str | tuple[tuple[int, int], tuple[int, int]]
@@ -333,45 +335,41 @@ def _conv_grad(x: np.ndarray, w: np.ndarray, gz: np.ndarray, stride: tuple[int, 
 
 # --- backends -------------------------------------------------------------------------------------------
 
+def _jax_conv2d(op: Conv2D, node: Any = None, **kwargs: Any) -> Any:
+    conv = op._jax_conv()
+    dtype = node.outputs[0].type.dtype
+
+    def conv2d(x: Any, w: Any) -> Any:  # in the declared dtype
+        return conv(x.astype(dtype), w.astype(dtype))
+
+    return conv2d
+
+
+def _jax_conv2d_grad(op: _ConvGrad, node: Any = None, **kwargs: Any) -> Any:
+    import jax
+
+    conv = op._jax_conv()
+    wrt = op.wrt
+    dtype = node.outputs[0].type.dtype
+
+    def grad(x: Any, w: Any, gz: Any) -> Any:
+        x, w, gz = x.astype(dtype), w.astype(dtype), gz.astype(dtype)
+        if wrt == 0:
+            _, vjp = jax.vjp(lambda a: conv(a, w), x)
+        else:
+            _, vjp = jax.vjp(lambda b: conv(x, b), w)
+        return vjp(gz)[0]
+
+    return grad
+
+
 def _register_backends() -> None:
-    """Register the JAX implementations (when JAX is installed) and the Numba one (``perform`` in
-    Numba's object mode, registered to say so once here rather than warn at every compilation)."""
-    from synk_lasagne._numba import register_perform
-
+    """JAX (``lax.conv_general_dilated``, its vjp) and Numba (``perform``), registered when
+    PyTensor first imports each backend (see :mod:`synk_lasagne._backends`)."""
     register_perform(Conv2D, Conv2DGradInputs, Conv2DGradWeights)
-    try:
-        from pytensor.link.jax.dispatch import jax_funcify
-    except ImportError:  # no JAX: mode="JAX" is unavailable anyway
-        return
-
-    @jax_funcify.register(Conv2D)
-    def _jax_conv2d(op: Any, node: Any = None, **kwargs: Any) -> Any:
-        conv = op._jax_conv()
-        dtype = node.outputs[0].type.dtype
-
-        def conv2d(x: Any, w: Any) -> Any:  # in the declared dtype (JAX may hold float64 values)
-            return conv(x.astype(dtype), w.astype(dtype))
-
-        return conv2d
-
-    @jax_funcify.register(Conv2DGradInputs)
-    @jax_funcify.register(Conv2DGradWeights)
-    def _jax_conv2d_grad(op: Any, node: Any = None, **kwargs: Any) -> Any:
-        import jax
-
-        conv = op._jax_conv()
-        wrt = op.wrt
-        dtype = node.outputs[0].type.dtype
-
-        def grad(x: Any, w: Any, gz: Any) -> Any:
-            x, w, gz = x.astype(dtype), w.astype(dtype), gz.astype(dtype)
-            if wrt == 0:
-                _, vjp = jax.vjp(lambda a: conv(a, w), x)
-            else:
-                _, vjp = jax.vjp(lambda b: conv(x, b), w)
-            return vjp(gz)[0]
-
-        return grad
+    register_jax(Conv2D, _jax_conv2d)
+    register_jax(Conv2DGradInputs, _jax_conv2d_grad)
+    register_jax(Conv2DGradWeights, _jax_conv2d_grad)
 
 
 _register_backends()

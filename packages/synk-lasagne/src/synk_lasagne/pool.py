@@ -40,6 +40,7 @@ from pytensor.graph.op import Op
 from pytensor.tensor import as_tensor_variable
 from pytensor.tensor.type import TensorType
 
+from synk_lasagne._backends import register_jax, register_perform
 from synk_lasagne.conv import _pair, _static_first
 
 __all__ = ["MODES", "Pool2D", "Pool2DGrad", "pool2d", "pool_output_length"]
@@ -236,38 +237,35 @@ def _pool_grad(x: np.ndarray, gz: np.ndarray, ws: tuple[int, int], stride: tuple
 
 # --- backends ---------------------------------------------------------------------------------------
 
+def _jax_pool2d(op: Pool2D, node: Any = None, **kwargs: Any) -> Any:
+    pool = op._jax_pool()
+    dtype = node.outputs[0].type.dtype
+
+    def pool2d(x: Any) -> Any:  # in the declared dtype
+        return pool(x.astype(dtype))
+
+    return pool2d
+
+
+def _jax_pool2d_grad(op: Pool2DGrad, node: Any = None, **kwargs: Any) -> Any:
+    import jax
+
+    pool = op._jax_pool()
+    dtype = node.outputs[0].type.dtype
+
+    def grad(x: Any, gz: Any) -> Any:
+        _, vjp = jax.vjp(pool, x.astype(dtype))
+        return vjp(gz.astype(dtype))[0]
+
+    return grad
+
+
 def _register_backends() -> None:
-    """Register the JAX implementations (when JAX is installed) and the Numba one."""
-    from synk_lasagne._numba import register_perform
-
+    """JAX (``lax.reduce_window``, its vjp) and Numba (``perform``), registered when PyTensor
+    first imports each backend (see :mod:`synk_lasagne._backends`)."""
     register_perform(Pool2D, Pool2DGrad)
-    try:
-        from pytensor.link.jax.dispatch import jax_funcify
-    except ImportError:  # no JAX: mode="JAX" is unavailable anyway
-        return
-
-    @jax_funcify.register(Pool2D)
-    def _jax_pool2d(op: Any, node: Any = None, **kwargs: Any) -> Any:
-        pool = op._jax_pool()
-        dtype = node.outputs[0].type.dtype
-
-        def pool2d(x: Any) -> Any:  # in the declared dtype (JAX may hold float64 values)
-            return pool(x.astype(dtype))
-
-        return pool2d
-
-    @jax_funcify.register(Pool2DGrad)
-    def _jax_pool2d_grad(op: Any, node: Any = None, **kwargs: Any) -> Any:
-        import jax
-
-        pool = op._jax_pool()
-        dtype = node.outputs[0].type.dtype
-
-        def grad(x: Any, gz: Any) -> Any:
-            _, vjp = jax.vjp(pool, x.astype(dtype))
-            return vjp(gz.astype(dtype))[0]
-
-        return grad
+    register_jax(Pool2D, _jax_pool2d)
+    register_jax(Pool2DGrad, _jax_pool2d_grad)
 
 
 _register_backends()
