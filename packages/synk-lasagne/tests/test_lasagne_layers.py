@@ -8,7 +8,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from test_lasagne_ops import reference_conv, reference_pool
+from lasagne_testutil import reference_conv, reference_pool
 
 from synk_lasagne import init, layers, nonlinearities, objectives, regularization
 from synk_lasagne.random import set_rng
