@@ -10,11 +10,12 @@ them, the 8x8 handwritten digits bundled with scikit-learn (``pip install synk-l
 Models (``--model``):
 
 ``mlp``  ReLU hidden layers, softmax output, Glorot-uniform weights (Lasagne's ``DenseLayer``).
-``cnn``  Lasagne's MNIST CNN built with :mod:`synk_lasagne.layers`: two blocks of a 3x3
-         convolution (``--filters``, ReLU, same padding) and a 2x2 max pooling, dropout, a dense
-         layer of ``--hidden`` units, dropout, softmax (on the 8x8 digits: 8 -> 4 -> 2; on MNIST:
-         28 -> 14 -> 7).  Its convolutions and poolings are synk_lasagne's Ops: on GPUs through
-         PyTensor's JAX backend, on CPUs im2col + BLAS.
+``cnn``  Lasagne's MNIST CNN in shape, built with :mod:`synk_lasagne.layers`: two blocks of a
+         convolution (``--filters``, ReLU; 3x3 with same padding where Lasagne's has 5x5 valid, so
+         that the 8x8 digits fit) and a 2x2 max pooling, dropout, a dense layer of ``--hidden``
+         units, dropout, softmax (on the digits: 8 -> 4 -> 2; on MNIST: 28 -> 14 -> 7).  Its
+         convolutions and poolings are synk_lasagne's Ops: on GPUs through PyTensor's JAX
+         backend, on CPUs im2col + BLAS.
 
 Data patterns (``--pattern``), the two of Synkhronos's MNIST demos:
 
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "sliceable shareds + batch_s")
     parser.add_argument("--cpu", action="store_true", help="CPU worker processes even on a machine with GPUs")
     parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
-                        help="mlp: dense layers; cnn: Lasagne's MNIST CNN (synk_lasagne.layers)")
+                        help="mlp: dense layers; cnn: convolutions, as Lasagne's MNIST CNN (synk_lasagne.layers)")
     parser.add_argument("--filters", type=int, default=32, help="cnn: filters of each convolution")
     parser.add_argument("--dropout", type=float, default=0.25, help="cnn: dropout probability")
     parser.add_argument("--hidden", type=int, default=512, help="units per hidden layer")
@@ -116,7 +117,7 @@ def build_mlp(n_in: int, n_hidden: int, n_layers: int, n_out: int, seed: int) ->
 
 def build_cnn(image_shape: tuple[int, int], n_filters: int, n_hidden: int, n_out: int, dropout: float,
               seed: int) -> tuple[list[Any], Any]:
-    """Parameters and ``forward(x, deterministic) -> logits`` of Lasagne's MNIST CNN
+    """Parameters and ``forward(x, deterministic) -> logits`` of the CNN (Lasagne's MNIST CNN's shape)
     (``x``: ``(batch, 1, rows, columns)``)."""
     set_rng(np.random.RandomState(seed))
     net = layers.InputLayer((None, 1, *image_shape))
