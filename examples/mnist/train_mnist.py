@@ -7,10 +7,15 @@ speedup, and a PNG plot of loss and throughput per epoch.
 Data: the MNIST IDX files from ``--data-dir`` or ``$SYNK_MNIST_DIR`` (gzipped or not); without
 them, the 8x8 handwritten digits bundled with scikit-learn (``pip install synk-lasagne[mnist]``).
 
-Model: an MLP (ReLU hidden layers, softmax output, Glorot-uniform weights as Lasagne's
-``DenseLayer``).  There is no CNN: PyTensor 3 has no 2-d convolution for networks (Theano's
-``nnet.conv2d`` is gone; ``pytensor.tensor.signal.convolve2d`` is single-channel signal
-convolution, with neither a Numba nor a JAX implementation).
+Models (``--model``):
+
+``mlp``  ReLU hidden layers, softmax output, Glorot-uniform weights (Lasagne's ``DenseLayer``).
+``cnn``  Lasagne's MNIST CNN in shape, built with :mod:`synk_lasagne.layers`: two blocks of a
+         convolution (``--filters``, ReLU; 3x3 with same padding where Lasagne's has 5x5 valid, so
+         that the 8x8 digits fit) and a 2x2 max pooling, dropout, a dense layer of ``--hidden``
+         units, dropout, softmax (on the digits: 8 -> 4 -> 2; on MNIST: 28 -> 14 -> 7).  Its
+         convolutions and poolings are synk_lasagne's Ops: on GPUs through PyTensor's JAX
+         backend, on CPUs im2col + BLAS.
 
 Data patterns (``--pattern``), the two of Synkhronos's MNIST demos:
 
@@ -29,6 +34,7 @@ Examples::
     python examples/mnist/train_mnist.py                       # digits, all cores / GPUs, 30 epochs
     python examples/mnist/train_mnist.py --data-dir ~/mnist --epochs 10 --pattern scatter
     python examples/mnist/train_mnist.py --n-parallel 2 --batch-size 256 --no-baseline
+    python examples/mnist/train_mnist.py --model cnn --epochs 15 --pattern scatter
 """
 
 from __future__ import annotations
@@ -45,8 +51,10 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
+import synk_lasagne.init
 import synkhronos as synk
-from synk_lasagne import Trainer, make_eval_function, make_train_function, mnist, updates
+from synk_lasagne import Trainer, layers, make_eval_function, make_train_function, mnist, updates
+from synk_lasagne.random import set_rng
 
 RULES = ["sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta", "adam", "adamax", "amsgrad"]
 
@@ -64,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="host: Data in shared memory + batch= indices; scatter: data scattered once into "
                              "sliceable shareds + batch_s")
     parser.add_argument("--cpu", action="store_true", help="CPU worker processes even on a machine with GPUs")
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                        help="mlp: dense layers; cnn: convolutions, as Lasagne's MNIST CNN (synk_lasagne.layers)")
+    parser.add_argument("--filters", type=int, default=32, help="cnn: filters of each convolution")
+    parser.add_argument("--dropout", type=float, default=0.25, help="cnn: dropout probability")
     parser.add_argument("--hidden", type=int, default=512, help="units per hidden layer")
     parser.add_argument("--layers", type=int, default=2, help="hidden layers")
     parser.add_argument("--rule", choices=RULES, default="adam", help="update rule (synk_lasagne.updates)")
@@ -103,6 +115,24 @@ def build_mlp(n_in: int, n_hidden: int, n_layers: int, n_out: int, seed: int) ->
     return params, forward
 
 
+def build_cnn(image_shape: tuple[int, int], n_filters: int, n_hidden: int, n_out: int, dropout: float,
+              seed: int) -> tuple[list[Any], Any]:
+    """Parameters and ``forward(x, deterministic) -> logits`` of the CNN (Lasagne's MNIST CNN's shape)
+    (``x``: ``(batch, 1, rows, columns)``)."""
+    set_rng(np.random.RandomState(seed))
+    net = layers.InputLayer((None, 1, *image_shape))
+    for _ in range(2):
+        net = layers.Conv2DLayer(net, n_filters, 3, pad="same", W=synk_lasagne.init.GlorotUniform("relu"))
+        net = layers.MaxPool2DLayer(net, 2)
+    net = layers.DenseLayer(layers.DropoutLayer(net, p=dropout), n_hidden)
+    net = layers.DenseLayer(layers.DropoutLayer(net, p=dropout), n_out, nonlinearity=None)
+
+    def forward(x: Any, deterministic: bool = False) -> Any:
+        return layers.get_output(net, x, deterministic=deterministic)
+
+    return layers.get_all_params(net, trainable=True), forward
+
+
 def cross_entropy(logits: Any, y: Any) -> Any:
     logp = pt.special.log_softmax(logits, axis=1)
     return -pt.mean(logp[pt.arange(y.shape[0]), y])
@@ -116,27 +146,35 @@ def train_and_test(args: argparse.Namespace, data: mnist.Dataset) -> tuple[list[
     """Build the model and its functions in the forked group, train, test: (history, test metrics)."""
     t0 = time.perf_counter()
     fkw = {"mode": args.mode} if args.mode else {}
-    params, forward = build_mlp(data.x_train.shape[1], args.hidden, args.layers, data.n_classes, args.seed)
-    x, y = pt.matrix("x"), pt.ivector("y")
+    floatx = pytensor.config.floatX
+    if args.model == "cnn":
+        params, forward = build_cnn(data.image_shape, args.filters, args.hidden, data.n_classes, args.dropout,
+                                    args.seed)
+        row_shape: tuple[int, ...] = (1, *data.image_shape)
+    else:
+        params, mlp = build_mlp(data.x_train.shape[1], args.hidden, args.layers, data.n_classes, args.seed)
+        forward = lambda x, deterministic=False: mlp(x)  # noqa: E731
+        row_shape = (data.x_train.shape[1],)
+    x, y = pt.tensor("x", dtype=floatx, shape=(None, *row_shape)), pt.ivector("y")
+    images = {part: getattr(data, f"x_{part}").reshape(-1, *row_shape) for part in ("train", "valid", "test")}
     rule = getattr(updates, args.rule)
     lr = {"learning_rate": args.learning_rate}
     if args.pattern == "host":  # the data once in shared memory; each step: batch= indices
         loss = cross_entropy(forward(x), y)
         train = make_train_function(loss, params, [x, y], rule, function_kwargs=fkw, **lr)
-        train_data: tuple[Any, ...] = (synk.data(data.x_train), synk.data(data.y_train))
+        train_data: tuple[Any, ...] = (synk.data(images["train"]), synk.data(data.y_train))
     else:  # the data scattered once into each rank's memory; each step: batch_s= rows of each rank's part
-        floatx = pytensor.config.floatX
-        x_s = pytensor.shared(np.zeros((0, data.x_train.shape[1]), dtype=floatx), name="x_train")
+        x_s = pytensor.shared(np.zeros((0, *row_shape), dtype=floatx), name="x_train", shape=(None, *row_shape))
         y_s = pytensor.shared(np.zeros(0, dtype="int32"), name="y_train")
         loss = cross_entropy(forward(x_s), y_s)
         train = make_train_function(loss, params, [], rule, sliceable_shareds=[x_s, y_s], function_kwargs=fkw, **lr)
-        synk.scatter([x_s, y_s], [data.x_train, data.y_train])
+        synk.scatter([x_s, y_s], [images["train"], data.y_train])
         train_data = ()
-    logits = forward(x)
+    logits = forward(x, deterministic=True)
     evaluate = make_eval_function({"loss": cross_entropy(logits, y), "accuracy": accuracy(logits, y)}, [x, y],
                                   function_kwargs=fkw)
-    valid = (synk.data(data.x_valid), synk.data(data.y_valid))
-    test = (synk.data(data.x_test), synk.data(data.y_test))
+    valid = (synk.data(images["valid"]), synk.data(data.y_valid))
+    test = (synk.data(images["test"]), synk.data(data.y_test))
     synk.distribute()  # every rank compiles its functions now (if the scatter did not), outside the timed epochs
     print(f"functions built, distributed and compiled in every rank in {time.perf_counter() - t0:.1f} s", flush=True)
     trainer = Trainer(train, eval_fn=evaluate, batch_size=args.batch_size, seed=args.seed,
@@ -204,6 +242,13 @@ def plot(runs: list[dict[str, Any]], path: str, title: str) -> None:
     print(f"plot: {path}")
 
 
+def describe_model(args: argparse.Namespace, data: mnist.Dataset) -> str:
+    if args.model == "cnn":
+        return (f"CNN 2x(conv 3x3 x{args.filters}, max-pool 2) -> dense {args.hidden} -> 10, dropout "
+                f"{args.dropout}")
+    return f"MLP {data.x_train.shape[1]} -> {' -> '.join([str(args.hidden)] * args.layers)} -> 10"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     pytensor.config.floatX = "float32"  # set before fork: the workers take the master's configuration
@@ -211,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     data = mnist.load(args.data_dir).astype(pytensor.config.floatX)
     print(f"data: {data.source}: {len(data.x_train)} train, {len(data.x_valid)} validation, {len(data.x_test)} "
           f"test images of {data.image_shape[0]}x{data.image_shape[1]}")
-    print(f"model: MLP {data.x_train.shape[1]} -> {' -> '.join([str(args.hidden)] * args.layers)} -> 10, "
-          f"{args.rule} (learning rate {args.learning_rate}), batch {args.batch_size}, {args.epochs} epochs")
+    print(f"model: {describe_model(args, data)}, {args.rule} (learning rate {args.learning_rate}), batch "
+          f"{args.batch_size}, {args.epochs} epochs")
     runs = [run(args, data, args.n_parallel, "data-parallel")]
     if not args.no_baseline:
         runs.append(run(args, data, 1, "single process"))
@@ -228,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             print("note: each step of this model is too little work for several ranks to pay off (every "
                   "step is a round trip between the ranks): a larger model (--hidden) or batch (--batch-size) "
                   "gives each rank more to do per step")
-    title = (f"{data.source}, MLP {args.layers}x{args.hidden}, {args.rule}, batch {args.batch_size}, "
+    title = (f"{data.source}, {describe_model(args, data)}, {args.rule}, batch {args.batch_size}, "
              f"pattern {args.pattern}" + (f", speedup {speedup:.2f}x" if speedup else ""))
     plot(runs, args.plot, title)
     print(f"total time {time.perf_counter() - t0:.1f} s")

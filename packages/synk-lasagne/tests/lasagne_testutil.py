@@ -156,6 +156,64 @@ class NumpyRule:
         raise ValueError(f"no numpy reference for rule {name!r}")
 
 
+# --- numpy references of the convolution and pooling Ops -----------------------------------------
+
+def reference_conv(x, w, stride=1, pad="valid", dilation=1, groups=1):
+    """Direct loops over every output value: the definition of a grouped, dilated convolution."""
+    sh, sw = (stride, stride) if np.isscalar(stride) else stride
+    dh, dw = (dilation, dilation) if np.isscalar(dilation) else dilation
+    f, cg, kh, kw = w.shape
+    if pad == "valid":
+        pads = ((0, 0), (0, 0))
+    elif pad in ("full", "same"):
+        eh, ew = dh * (kh - 1), dw * (kw - 1)  # the dilated filter's size, less one
+        pads = ((eh, eh), (ew, ew)) if pad == "full" else (((eh + 1) // 2,) * 2, ((ew + 1) // 2,) * 2)
+    elif np.isscalar(pad):
+        pads = ((pad, pad), (pad, pad))
+    elif np.isscalar(pad[0]):
+        pads = ((pad[0], pad[0]), (pad[1], pad[1]))
+    else:
+        pads = pad
+    xp = np.pad(x, ((0, 0), (0, 0), pads[0], pads[1]))
+    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    out = np.zeros((x.shape[0], f, oh, ow))
+    per_group = f // groups
+    for n in range(x.shape[0]):
+        for o in range(f):
+            g = o // per_group
+            for i in range(oh):
+                for j in range(ow):
+                    patch = xp[n, g * cg:(g + 1) * cg, i * sh:i * sh + dh * (kh - 1) + 1:dh,
+                               j * sw:j * sw + dw * (kw - 1) + 1:dw]
+                    out[n, o, i, j] = np.sum(patch * w[o])
+    return out
+
+
+def reference_pool(x, ws, stride=None, pad=0, mode="max"):
+    """Direct loops over every window."""
+    wh, ww = (ws, ws) if np.isscalar(ws) else ws
+    stride = (wh, ww) if stride is None else stride
+    sh, sw = (stride, stride) if np.isscalar(stride) else stride
+    ph, pw = (pad, pad) if np.isscalar(pad) else pad
+    h, w = x.shape[-2:]
+    oh, ow = (h + 2 * ph - wh) // sh + 1, (w + 2 * pw - ww) // sw + 1
+    out = np.zeros((*x.shape[:-2], oh, ow))
+    for i in range(oh):
+        for j in range(ow):
+            r0, c0 = i * sh - ph, j * sw - pw
+            r_lo, r_hi, c_lo, c_hi = max(r0, 0), min(r0 + wh, h), max(c0, 0), min(c0 + ww, w)
+            window = x[..., r_lo:r_hi, c_lo:c_hi]
+            if mode == "max":
+                out[..., i, j] = window.max(axis=(-2, -1))
+            elif mode == "average_inc_pad":
+                out[..., i, j] = window.sum(axis=(-2, -1)) / (wh * ww)
+            else:
+                out[..., i, j] = window.sum(axis=(-2, -1)) / ((r_hi - r_lo) * (c_hi - c_lo))
+    return out
+
+
+
 # --- subprocesses -----------------------------------------------------------------------------------
 
 def run_script(args: Sequence[str], timeout: float = 240.0, cwd: str | None = None,

@@ -155,3 +155,42 @@ def test_main_job_reaches_95_percent_on_the_digits(tmp_path):
                               str(png), "--mode", "FAST_COMPILE"], cwd=str(tmp_path), env={mnist.ENV_VAR: ""})
     assert "scikit-learn" in result.stdout
     assert check_job(result, pid, png, ranks=3, baseline=False) >= 0.95
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pattern", ["host", "scatter"])
+def test_cnn_job_learns_on_the_digits(tmp_path, pattern):
+    """The CNN of synk_lasagne.layers (``--model cnn``), 3 epochs in 2 ranks on the digits, each
+    data pattern: the training loss falls every epoch and the test accuracy ends far above chance
+    (10%; the MLP's default run reaches 95% in 30 epochs)."""
+    pytest.importorskip("sklearn")
+    png = tmp_path / "plot.png"
+    result, pid = run_script([SCRIPT, "--model", "cnn", "--filters", "16", "--hidden", "64", "--epochs", "3",
+                              "--learning-rate", "0.003", "--n-parallel", "2", "--cpu", "--no-baseline",
+                              "--no-progress", "--pattern", pattern, "--plot", str(png), "--mode", "FAST_COMPILE",
+                              "--min-accuracy", "0"], cwd=str(tmp_path), env={mnist.ENV_VAR: ""})
+    assert "model: CNN 2x(conv 3x3 x16, max-pool 2)" in result.stdout, result.stdout + result.stderr
+    losses = [float(v) for v in re.findall(r"epoch \d, train_loss ([\d.]+)", result.stdout)]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2], losses
+    assert check_job(result, pid, png, baseline=False) >= 0.7
+
+
+@pytest.mark.timeout(300)
+def test_cnn_job_in_gpu_mode_on_jax_cpu(tmp_path):
+    """GPU mode's code path (every rank on PyTensor's JAX backend, the convolution and pooling Ops
+    through their JAX implementations, data scattered into the ranks' JAX arrays) on JAX's CPU
+    backend (``SYNK_EMULATE_GPUS``): the CNN learns as in CPU mode."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("jax")
+    png = tmp_path / "plot.png"
+    result, pid = run_script([SCRIPT, "--model", "cnn", "--filters", "16", "--hidden", "64", "--epochs", "3",
+                              "--learning-rate", "0.003", "--n-parallel", "2", "--no-baseline", "--no-progress",
+                              "--pattern", "scatter", "--plot", str(png), "--min-accuracy", "0"],
+                             cwd=str(tmp_path), env={mnist.ENV_VAR: "", "SYNK_EMULATE_GPUS": "2"})
+    assert "== data-parallel: 2 rank(s), GPUs" in result.stdout, result.stdout + result.stderr
+    losses = [float(v) for v in re.findall(r"epoch \d, train_loss ([\d.]+)", result.stdout)]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2], losses
+    out = result.stdout.replace("GPUs", "CPU processes")  # check_job's pattern; the run itself is GPU mode
+    accuracy = float(re.search(r"final test accuracy \(2 ranks\): ([\d.]+)%", out).group(1)) / 100
+    assert accuracy >= 0.7 and out.rstrip().endswith("Done.")
+    assert entries_of_pid(pid) == []

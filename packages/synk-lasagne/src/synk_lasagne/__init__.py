@@ -1,9 +1,21 @@
-"""synk_lasagne: Lasagne's update rules for data-parallel training with Synkhronos, and a trainer.
+"""synk_lasagne: Lasagne on PyTensor, for data-parallel training with Synkhronos.
 
 Lasagne itself does not run on PyTensor (it imports ``theano.tensor.nnet``); this package gives
-its update-rule API on PyTensor graphs, built for data parallelism -- every rank writes its
-gradient into ONE flat vector, one all-reduce combines them, every rank applies the same update
--- and what a user needs around it.
+its API on PyTensor graphs -- layers, initialisers, nonlinearities, objectives, regularization,
+and update rules built for data parallelism (every rank writes its gradient into ONE flat
+vector, one all-reduce combines them, every rank applies the same update) -- the convolution and
+pooling Ops that networks need, and what a user needs around them.  A Lasagne model file ports
+by changing its imports (``import synk_lasagne as lasagne``).
+
+Layers (:mod:`synk_lasagne.layers`)
+    Lasagne's layers and helpers: ``InputLayer``, ``DenseLayer``, ``Conv2DLayer``,
+    ``MaxPool2DLayer``, ``BatchNormLayer``, ... ``get_output``, ``get_all_params``, ...
+Around them
+    :mod:`~synk_lasagne.init`, :mod:`~synk_lasagne.nonlinearities`,
+    :mod:`~synk_lasagne.objectives`, :mod:`~synk_lasagne.regularization`,
+    :mod:`~synk_lasagne.random`
+Ops (:mod:`synk_lasagne.conv`, :mod:`synk_lasagne.pool`)
+    ``conv2d`` and ``pool2d`` with gradients, on PyTensor's JAX backend (GPU) and the others
 
 Update rules (:mod:`synk_lasagne.updates`)
     :func:`~synk_lasagne.updates.sgd`, ``momentum``, ``nesterov_momentum``, ``apply_momentum``,
@@ -32,6 +44,8 @@ Example
 >>> loss_value = train(x_data, y_data, batch=[0, 3, 5, 7, 9])              # doctest: +SKIP
 """
 
+from typing import Any
+
 from synk_lasagne import mnist, updates
 from synk_lasagne.training import (
     EvalFunction,
@@ -44,6 +58,18 @@ from synk_lasagne.training import (
 )
 from synk_lasagne.updates import RuleUpdates
 
-__all__ = ["EvalFunction", "RuleUpdates", "TrainFunction", "Trainer", "load_checkpoint", "make_eval_function",
-           "make_train_function", "mnist", "save_checkpoint", "updates"]
+__all__ = ["EvalFunction", "RuleUpdates", "TrainFunction", "Trainer", "conv", "init", "layers", "load_checkpoint",
+           "make_eval_function", "make_train_function", "mnist", "nonlinearities", "objectives", "pool", "random",
+           "regularization", "save_checkpoint", "updates"]
+
+_LAZY = {"conv", "init", "layers", "nonlinearities", "objectives", "pool", "random", "regularization"}
+"""Submodules imported on first use (``synk_lasagne.layers``...): importing synk_lasagne stays light."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"synk_lasagne.{name}")
+    raise AttributeError(f"module 'synk_lasagne' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -230,7 +230,10 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     function: ``train(x_data, y_data, batch=indices)`` for data in host shared memory, or
     ``train(batch_s=rows)`` for data scattered into sliceable shared variables.  With
     ``num_slices`` > 1 the step runs as a chain (:attr:`TrainFunction.chain`): the gradient
-    accumulated over the slices, then all-reduced, then the update.
+    accumulated over the slices, then all-reduced, then the update.  The state updates of the
+    layers the loss is built on (:func:`synk_lasagne.layers.get_state_updates`: batch norm's
+    running averages from each rank's own share of the batch, dropout's generators) are applied in
+    each rank with the step.
 
     Parameters
     ----------
@@ -277,6 +280,7 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     from pytensor.graph.replace import clone_replace
 
     import synkhronos as synk
+    from synk_lasagne.layers.base import get_state_updates
 
     inputs = list(inputs)
     sliceable = list(sliceable_shareds or [])
@@ -293,13 +297,14 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     fkw = dict(function_kwargs or {})
     common = {"bcast_inputs": bcast_inputs, "givens": givens, "sliceable_shareds": sliceable or None, **fkw}
     outs = [(loss, "avg"), *extra]
+    state = get_state_updates([loss, *(e[0] if isinstance(e, tuple) else e for e in extra)])
     ((flat, local_flat, _),) = result.grad_updates
     targets = list(result.param_updates)
     stepped = clone_replace(list(result.param_updates.values()), replace={flat: synk.ops.all_reduce(local_flat, "sum")})
-    function = synk.function(inputs, outputs=outs, updates=list(zip(targets, stepped)), **common)
+    function = synk.function(inputs, outputs=outs, updates=[*zip(targets, stepped), *state], **common)
 
     def build_sliced() -> tuple[Any, Any]:
-        grad_fn = synk.function(inputs, outputs=outs, updates=result.grad_updates, **common)
+        grad_fn = synk.function(inputs, outputs=outs, updates=[*result.grad_updates, *state], **common)
         return grad_fn, synk.function([], updates=list(result.param_updates.items()), **fkw)
 
     return TrainFunction(function, result, params, ["loss", *names], inputs, sliceable, build_sliced)

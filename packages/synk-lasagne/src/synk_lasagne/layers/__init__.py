@@ -1,0 +1,71 @@
+"""Lasagne's layer API on PyTensor: build a network from layers, get its output expression.
+
+A Lasagne model file ports by changing its imports (``import lasagne`` -> ``import synk_lasagne
+as lasagne``, or ``from synk_lasagne import layers``): the classes, functions and arguments are
+Lasagne's.  See the "Lasagne layers" guide for the porting notes.
+
+==============================  ===================================================================
+input                           :class:`InputLayer`
+dense                           :class:`DenseLayer`
+convolution                     :class:`Conv2DLayer` (stride, pad, dilation, groups, flip_filters)
+pooling                         :class:`MaxPool2DLayer`, :class:`Pool2DLayer`, :class:`GlobalPoolLayer`
+normalization                   :class:`BatchNormLayer`, :func:`batch_norm`,
+                                :func:`average_running_statistics`, :func:`get_running_statistics`
+merge                           :class:`ElemwiseSumLayer`, :class:`ConcatLayer`
+noise                           :class:`DropoutLayer`
+shape                           :class:`FlattenLayer`, :class:`ReshapeLayer`
+special                         :class:`NonlinearityLayer`, :class:`ExpressionLayer`
+state updates                   :func:`get_state_updates` (batch norm's running averages, dropout's
+                                generators: what a training function must apply),
+                                :func:`add_state_updates`
+helpers                         :func:`get_output`, :func:`get_output_shape`, :func:`get_all_layers`,
+                                :func:`get_all_params`, :func:`count_params`,
+                                :func:`get_all_param_values`, :func:`set_all_param_values`
+base classes                    :class:`Layer`, :class:`MergeLayer`
+==============================  ===================================================================
+
+Example
+-------
+>>> import numpy as np, pytensor
+>>> from synk_lasagne import layers, nonlinearities
+>>> net = layers.InputLayer((None, 1, 8, 8))
+>>> net = layers.Conv2DLayer(net, 4, 3, pad="same")
+>>> net = layers.MaxPool2DLayer(net, 2)
+>>> net = layers.DenseLayer(net, 10, nonlinearity=nonlinearities.softmax)
+>>> net.output_shape, layers.count_params(net)
+((None, 10), 690)
+>>> probabilities = layers.get_output(net, deterministic=True)
+"""
+
+from synk_lasagne.layers.base import Layer, MergeLayer, add_state_updates, get_state_updates
+from synk_lasagne.layers.conv import Conv2DLayer
+from synk_lasagne.layers.dense import DenseLayer
+from synk_lasagne.layers.helper import (
+    count_params,
+    get_all_layers,
+    get_all_param_values,
+    get_all_params,
+    get_output,
+    get_output_shape,
+    set_all_param_values,
+)
+from synk_lasagne.layers.input import InputLayer
+from synk_lasagne.layers.merge import ConcatLayer, ElemwiseSumLayer, concat
+from synk_lasagne.layers.noise import DropoutLayer, dropout
+from synk_lasagne.layers.normalization import (
+    BatchNormLayer,
+    average_running_statistics,
+    batch_norm,
+    get_running_statistics,
+)
+from synk_lasagne.layers.pool import GlobalPoolLayer, MaxPool2DLayer, Pool2DLayer
+from synk_lasagne.layers.shape import FlattenLayer, ReshapeLayer, flatten, reshape
+from synk_lasagne.layers.special import ExpressionLayer, NonlinearityLayer
+
+__all__ = ["BatchNormLayer", "ConcatLayer", "Conv2DLayer", "DenseLayer", "DropoutLayer", "ElemwiseSumLayer",
+           "ExpressionLayer", "FlattenLayer", "GlobalPoolLayer", "InputLayer", "Layer", "MaxPool2DLayer",
+           "MergeLayer", "NonlinearityLayer", "Pool2DLayer", "ReshapeLayer", "add_state_updates",
+           "average_running_statistics",
+           "batch_norm", "concat", "count_params", "dropout", "flatten", "get_all_layers", "get_all_param_values",
+           "get_all_params", "get_output", "get_output_shape", "get_running_statistics", "get_state_updates", "reshape",
+           "set_all_param_values"]

@@ -1,0 +1,207 @@
+"""The base classes of layers: :class:`Layer` (one input) and :class:`MergeLayer` (several).
+
+A layer knows its input layer(s), its output shape (``None`` for unknown lengths, e.g. the
+batch), and its parameters: shared variables with tags (``trainable``, ``regularizable``, and any
+other), made by :meth:`Layer.add_param` from an initialiser, a numpy array or a shared variable.
+:func:`synk_lasagne.layers.get_output` composes ``get_output_for`` along the network.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Layer", "MergeLayer", "add_state_updates", "create_param", "get_state_updates"]
+
+Shape = tuple[Any, ...]
+"""A layer's shape: ints, and None for lengths not known before a call (the batch)."""
+
+
+def create_param(spec: Any, shape: Sequence[int], name: str | None = None) -> Any:
+    """A shared variable of ``shape`` from ``spec``.
+
+    Parameters
+    ----------
+    spec : shared variable, numpy array, or callable
+        Used as is (its shape must be ``shape``), wrapped as a floatX shared variable, or called
+        with ``shape`` (an initialiser of :mod:`synk_lasagne.init`).  New variables have
+        ``shape`` as their static shape, so that the output shapes of convolutions are known to
+        PyTensor (and stay concrete under its JAX backend).
+    shape : tuple of int
+    name : str, optional
+
+    Returns
+    -------
+    shared variable
+
+    Raises
+    ------
+    ValueError
+        For a value of another shape.
+    TypeError
+        For any other ``spec``.
+    """
+    import pytensor
+    from pytensor.compile.sharedvalue import SharedVariable
+
+    shape = tuple(int(s) for s in shape)
+    if isinstance(spec, SharedVariable):
+        value_shape = np.shape(spec.get_value(borrow=True))
+        if value_shape != shape:
+            raise ValueError(f"parameter {name!r}: the shared variable has shape {value_shape}, the layer needs "
+                             f"{shape}")
+        return spec
+    if isinstance(spec, np.ndarray) or (callable(spec) and not hasattr(spec, "owner")):
+        value = spec if isinstance(spec, np.ndarray) else spec(shape)
+        value = np.asarray(value, dtype=pytensor.config.floatX)
+        if value.shape != shape:
+            raise ValueError(f"parameter {name!r}: the value has shape {value.shape}, the layer needs {shape}")
+        return pytensor.shared(value, name=name, shape=shape)  # static: every layer above knows its shapes
+    raise TypeError(f"parameter {name!r}: give a shared variable, a numpy array or an initialiser "
+                    f"(synk_lasagne.init), got {type(spec).__name__}")
+
+
+STATE_UPDATES = "synk_lasagne_state_updates"
+"""The tag of an expression that carries state updates (see :func:`add_state_updates`)."""
+
+
+def add_state_updates(expression: Any, updates: Sequence[tuple[Any, Any]]) -> None:
+    """Attach ``updates`` (``(shared variable, new value)`` pairs) to ``expression``: state that
+    computing it advances (batch norm's running averages, a dropout layer's random generator).
+
+    :func:`get_state_updates` finds them again from any expression built on ``expression``."""
+    found = getattr(expression.tag, STATE_UPDATES, [])
+    setattr(expression.tag, STATE_UPDATES, [*found, *((var, var.type.filter_variable(new, allow_convert=True))
+                                                       for var, new in updates)])
+
+
+def get_state_updates(expression_or_expressions: Any) -> list[tuple[Any, Any]]:
+    """The state updates of every layer output that ``expression_or_expressions`` is built on.
+
+    Parameters
+    ----------
+    expression_or_expressions : expression or list of expressions
+        E.g. the loss of a training-mode :func:`~synk_lasagne.layers.get_output`.
+
+    Returns
+    -------
+    list of (shared variable, expression)
+        For ``pytensor.function(..., updates=...)`` (:func:`synk_lasagne.make_train_function`
+        adds them itself): the running averages of batch norm layers, the random generators of
+        dropout layers.
+
+    Raises
+    ------
+    ValueError
+        If one variable would get two different updates (two training-mode outputs of the same
+        layer in one function: build the graph once).
+    """
+    from pytensor.graph.basic import Variable
+
+    try:
+        from pytensor.graph.traversal import ancestors
+    except ImportError:  # PyTensor before 3.3
+        from pytensor.graph.basic import ancestors  # type: ignore[no-redef]
+    roots = expression_or_expressions if isinstance(expression_or_expressions, (list, tuple)) \
+        else [expression_or_expressions]
+    updates: dict[Any, Any] = {}
+    for var in ancestors([r for r in roots if isinstance(r, Variable)]):
+        for shared, new in getattr(var.tag, STATE_UPDATES, []):
+            if shared in updates and updates[shared] is not new:
+                raise ValueError(f"{shared} has two different updates in this graph (two training-mode outputs of "
+                                 "one layer): build each layer's output once")
+            updates[shared] = new
+    return list(updates.items())
+
+
+class Layer:
+    """A layer with one input: a layer, or a shape tuple for a layer without one.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+        The input layer, or the input's shape.
+    name : str, optional
+        Prefixes the names of the layer's parameters (``"conv1.W"``).
+
+    Attributes
+    ----------
+    input_layer : Layer or None
+    input_shape : tuple
+    params : OrderedDict
+        ``shared variable -> set of tags``.
+    """
+
+    def __init__(self, incoming: Any, name: str | None = None) -> None:
+        if isinstance(incoming, tuple):
+            self.input_shape: Shape = incoming
+            self.input_layer: Layer | None = None
+        else:
+            self.input_shape = incoming.output_shape
+            self.input_layer = incoming
+        self.name = name
+        self.params: OrderedDict[Any, set[str]] = OrderedDict()
+        if any(d is not None and d <= 0 for d in self.input_shape):
+            raise ValueError(f"cannot create layer {name or type(self).__name__}: its input shape "
+                             f"{self.input_shape} has a length <= 0")
+
+    @property
+    def output_shape(self) -> Shape:
+        """The shape of the output (None for unknown lengths)."""
+        return self.get_output_shape_for(self.input_shape)
+
+    def get_params(self, unwrap_shared: bool = True, **tags: bool) -> list[Any]:
+        """The parameters, filtered by tags: ``trainable=True`` keeps those tagged trainable,
+        ``regularizable=False`` those not tagged regularizable."""
+        result = list(self.params)
+        wanted = [tag for tag, value in tags.items() if value]
+        unwanted = [tag for tag, value in tags.items() if not value]
+        return [p for p in result if all(t in self.params[p] for t in wanted)
+                and not any(t in self.params[p] for t in unwanted)]
+
+    def get_output_shape_for(self, input_shape: Any) -> Shape:
+        """The output shape for an input of ``input_shape`` (default: the same)."""
+        return tuple(input_shape)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        """The output expression for the input expression ``input``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement get_output_for")
+
+    def add_param(self, spec: Any, shape: Sequence[int], name: str | None = None, **tags: bool) -> Any:
+        """Make (from an initialiser, an array or a shared variable), register and return a parameter.
+
+        Tags default to ``trainable=True, regularizable=True``; pass ``False`` to drop one."""
+        if name is not None and self.name is not None:
+            name = f"{self.name}.{name}"
+        param = create_param(spec, shape, name)
+        tags.setdefault("trainable", True)
+        tags.setdefault("regularizable", True)
+        self.params[param] = {tag for tag, value in tags.items() if value}
+        return param
+
+    def __repr__(self) -> str:
+        label = f" {self.name!r}" if self.name else ""
+        return f"<{type(self).__name__}{label} {self.output_shape}>"
+
+
+class MergeLayer(Layer):
+    """A layer with several inputs (layers or shape tuples): ``get_output_for`` receives a list."""
+
+    def __init__(self, incomings: Sequence[Any], name: str | None = None) -> None:
+        self.input_shapes: list[Shape] = [i if isinstance(i, tuple) else i.output_shape for i in incomings]
+        self.input_layers: list[Layer | None] = [None if isinstance(i, tuple) else i for i in incomings]
+        self.name = name
+        self.params = OrderedDict()
+
+    @property
+    def output_shape(self) -> Shape:
+        return self.get_output_shape_for(self.input_shapes)
+
+    def get_output_shape_for(self, input_shapes: Any) -> Shape:
+        raise NotImplementedError(f"{type(self).__name__} must implement get_output_shape_for")
+
+    def get_output_for(self, inputs: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise NotImplementedError(f"{type(self).__name__} must implement get_output_for")

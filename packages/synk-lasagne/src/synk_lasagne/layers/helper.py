@@ -1,0 +1,185 @@
+"""Functions over whole networks: outputs, layers, parameters and their values.
+
+=================================  ================================================================
+:func:`get_output`                 the output expression(s) of a network for its input variables
+                                   (or given expressions), ``deterministic=`` for evaluation
+:func:`get_output_shape`           the output shape(s)
+:func:`get_all_layers`             every layer below the given ones, inputs first
+:func:`get_all_params`             their parameters, filtered by tags (``trainable=True``...)
+:func:`count_params`               the number of parameter values
+:func:`get_all_param_values`       the parameters' values (numpy arrays)
+:func:`set_all_param_values`       set them
+=================================  ================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from synk_lasagne.layers.base import Layer, MergeLayer
+from synk_lasagne.layers.input import InputLayer
+
+__all__ = ["count_params", "get_all_layers", "get_all_param_values", "get_all_params", "get_output",
+           "get_output_shape", "set_all_param_values"]
+
+
+def _as_list(layer_or_layers: Any) -> tuple[list[Any], bool]:
+    if isinstance(layer_or_layers, (list, tuple)):
+        return list(layer_or_layers), False
+    return [layer_or_layers], True
+
+
+def _incoming(layer: Layer) -> list[Layer]:
+    if isinstance(layer, MergeLayer):
+        return [lay for lay in layer.input_layers if lay is not None]
+    return [] if layer.input_layer is None else [layer.input_layer]
+
+
+def get_all_layers(layer: Any, treat_as_input: Sequence[Layer] | None = None) -> list[Layer]:
+    """Every layer that ``layer`` (or a list of layers) depends on, each after its inputs.
+
+    Parameters
+    ----------
+    layer : Layer or list of Layer
+    treat_as_input : list of Layer, optional
+        Layers whose inputs are not followed.
+
+    Returns
+    -------
+    list of Layer
+        In topological order (inputs first, the given layers last), each once.
+    """
+    todo, _ = _as_list(layer)
+    stop = set(treat_as_input or [])
+    done: dict[Layer, None] = {}
+    stack = [(lay, False) for lay in reversed(todo)]
+    while stack:
+        current, expanded = stack.pop()
+        if current in done:
+            continue
+        if expanded or current in stop:
+            done[current] = None
+            continue
+        stack.append((current, True))
+        stack.extend((lay, False) for lay in reversed(_incoming(current)) if lay not in done)
+    return list(done)
+
+
+def get_output(layer_or_layers: Any, inputs: Any = None, **kwargs: Any) -> Any:
+    """The output expression of a layer (or a list of them).
+
+    Parameters
+    ----------
+    layer_or_layers : Layer or list of Layer
+    inputs : expression, or dict ``{InputLayer or Layer: expression}``, optional
+        What the network reads: by default each :class:`InputLayer`'s ``input_var``.  A single
+        expression replaces the only InputLayer's variable; a dict maps layers (InputLayers or
+        any layer, whose output is then replaced) to expressions.
+    **kwargs
+        Passed to every layer's ``get_output_for``: ``deterministic=True`` for evaluation
+        (dropout off, batch norm with its running averages).
+
+    Returns
+    -------
+    expression, or list of expressions
+    """
+    import pytensor.tensor as pt
+
+    layers, single = _as_list(layer_or_layers)
+    treat_as_input = list(inputs) if isinstance(inputs, dict) else []
+    all_layers = get_all_layers(layers, treat_as_input)
+    outputs: dict[Any, Any] = {lay: lay.input_var for lay in all_layers if isinstance(lay, InputLayer)}
+    if isinstance(inputs, dict):
+        outputs.update({lay: pt.as_tensor_variable(expr) for lay, expr in inputs.items()})
+    elif inputs is not None:
+        input_layers = [lay for lay in all_layers if isinstance(lay, InputLayer)]
+        if len(input_layers) != 1:
+            raise ValueError(f"get_output got one input expression for {len(input_layers)} InputLayers: pass a "
+                             "dict {input_layer: expression}")
+        outputs[input_layers[0]] = pt.as_tensor_variable(inputs)
+    for lay in outputs:
+        if isinstance(lay, InputLayer):
+            outputs[lay] = _with_static_shape(outputs[lay], lay.shape)
+    for lay in all_layers:
+        if lay in outputs:
+            continue
+        if isinstance(lay, MergeLayer):
+            layer_inputs: Any = [outputs[i] for i in lay.input_layers]
+        elif lay.input_layer is None:
+            raise ValueError(f"{lay!r} was made from a shape, not a layer: give its input through inputs={{layer: "
+                             "expression}}")
+        else:
+            layer_inputs = outputs[lay.input_layer]
+        outputs[lay] = lay.get_output_for(layer_inputs, **kwargs)
+    results = [outputs[lay] for lay in layers]
+    return results[0] if single else results
+
+
+def _with_static_shape(expression: Any, shape: tuple[int | None, ...]) -> Any:
+    """``expression`` with the InputLayer's lengths as its static shape (``specify_shape``) where
+    it has none: the layers above then know their shapes (concrete under PyTensor's JAX backend)."""
+    import pytensor.tensor as pt
+
+    if expression.ndim != len(shape):
+        raise ValueError(f"the input expression has {expression.ndim} dimensions; the InputLayer's shape {shape} "
+                         f"has {len(shape)}")
+    known = expression.type.shape
+    if all(want is None or have is not None for want, have in zip(shape, known)):
+        return expression
+    return pt.specify_shape(expression, tuple(have if want is None else want for want, have in zip(shape, known)))
+
+
+def get_output_shape(layer_or_layers: Any) -> Any:
+    """The output shape of a layer, or a list of them (None for unknown lengths)."""
+    layers, single = _as_list(layer_or_layers)
+    shapes = [lay.output_shape for lay in layers]
+    return shapes[0] if single else shapes
+
+
+def get_all_params(layer: Any, unwrap_shared: bool = True, **tags: bool) -> list[Any]:
+    """The parameters of every layer below ``layer`` (a list of layers too), each once, filtered by
+    tags (``trainable=True``: what to train; ``regularizable=True``: what to penalise)."""
+    seen: dict[Any, None] = {}
+    for lay in get_all_layers(layer):
+        for param in lay.get_params(unwrap_shared=unwrap_shared, **tags):
+            seen.setdefault(param, None)
+    return list(seen)
+
+
+def count_params(layer: Any, **tags: bool) -> int:
+    """The number of values of the parameters of :func:`get_all_params`."""
+    return int(sum(np.prod(np.shape(p.get_value(borrow=True))) for p in get_all_params(layer, **tags)))
+
+
+def get_all_param_values(layer: Any, **tags: bool) -> list[np.ndarray]:
+    """The values (numpy arrays, copies) of the parameters of :func:`get_all_params`.
+
+    In a forked Synkhronos program they are the master's (every rank holds the same parameters
+    after each step of :func:`synk_lasagne.make_train_function`)."""
+    return [np.array(p.get_value()) for p in get_all_params(layer, **tags)]
+
+
+def set_all_param_values(layer: Any, values: Sequence[Any], **tags: bool) -> None:
+    """Set the parameters of :func:`get_all_params` (same order) to ``values``.
+
+    This sets this process's variables.  Before :func:`synkhronos.distribute` (or the first call
+    of a function) that is what every rank receives; afterwards, give the values to every rank
+    with ``synkhronos.broadcast(get_all_params(layer), values)``.
+
+    Raises
+    ------
+    ValueError
+        For a different number of values or a value of another shape.
+    """
+    params = get_all_params(layer, **tags)
+    if len(params) != len(values):
+        raise ValueError(f"the network has {len(params)} parameters (with tags {tags}), {len(values)} values were "
+                         "given")
+    for param, value in zip(params, values):
+        shape = np.shape(param.get_value(borrow=True))
+        if np.shape(value) != shape:
+            raise ValueError(f"parameter {param.name!r} has shape {shape}, its value has shape {np.shape(value)}")
+        param.set_value(np.asarray(value, dtype=param.type.dtype))

@@ -1,0 +1,71 @@
+"""Noise layers: :class:`DropoutLayer`.
+
+The mask comes from a shared random generator; the output carries the generator's update (see
+:func:`~synk_lasagne.layers.get_state_updates`), so that each call draws a new mask.  In a forked
+Synkhronos program every rank's generator is reseeded from its state and its rank at
+distribution, so the ranks draw different masks, as independent workers should.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from synk_lasagne.layers.base import Layer, add_state_updates
+from synk_lasagne.random import get_rng
+
+__all__ = ["DropoutLayer", "dropout"]
+
+
+class DropoutLayer(Layer):
+    """Sets values to zero with probability ``p`` in training (``deterministic=False``).
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    p : float
+        The probability of dropping a value.
+    rescale : bool
+        Divide the kept values by ``1 - p`` (the expected output unchanged; evaluation is then
+        the identity).
+    shared_axes : tuple of int
+        Axes along which the mask is the same (e.g. ``(2, 3)``: whole feature maps).
+    """
+
+    def __init__(self, incoming: Any, p: float = 0.5, rescale: bool = True, shared_axes: Sequence[int] = (),
+                 **kwargs: Any) -> None:
+        import pytensor
+
+        super().__init__(incoming, **kwargs)
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout probability p must be in [0, 1), got {p}")
+        self.rng = pytensor.shared(np.random.default_rng(get_rng().randint(1, 2147462579)),
+                                   name=f"{self.name}.rng" if self.name else "dropout.rng")
+        self.p = p
+        self.rescale = rescale
+        self.shared_axes = tuple(shared_axes)
+
+    def get_output_for(self, input: Any, deterministic: bool = False, **kwargs: Any) -> Any:
+        import pytensor
+        import pytensor.tensor as pt
+
+        if deterministic or self.p == 0:
+            return input
+        keep = 1 - self.p
+        if self.rescale:
+            input = input / keep
+        shared = [a % input.ndim for a in self.shared_axes]
+        mask_shape = tuple(1 if a in shared else input.shape[a] for a in range(input.ndim))
+        # uniform draws, not binomial: PyTensor's JAX backend has binomial only with NumPyro installed
+        next_rng, draws = pt.random.uniform(0.0, 1.0, size=mask_shape, rng=self.rng, return_next_rng=True)
+        mask = pt.cast(pt.lt(draws, keep), pytensor.config.floatX)
+        if shared:
+            mask = pt.specify_broadcastable(mask, *shared)
+        output = input * mask
+        add_state_updates(output, [(self.rng, next_rng)])
+        return output
+
+
+dropout = DropoutLayer

@@ -1,0 +1,170 @@
+"""Batch normalization: :class:`BatchNormLayer`, :func:`batch_norm`, and the running averages.
+
+``out = (input - mean) * inv_std * gamma + beta`` per channel, with ``mean`` and ``inv_std =
+1 / sqrt(var + epsilon)`` of the batch in training and their running averages in evaluation
+(``deterministic=True``).
+
+Running averages are updates
+----------------------------
+In training, the output carries the updates of the running averages ``mean`` and ``inv_std``:
+``running := (1 - alpha) * running + alpha * batch_value``.  :func:`get_state_updates` collects
+them from any expression built on the output (e.g. the loss); :func:`synk_lasagne.make_train_function`
+applies them at every step without being told, and a function of your own applies them with
+``pytensor.function(..., updates=rule_updates + get_state_updates(loss))``.  (Lasagne gives the
+variables a ``default_update`` instead, which PyTensor 3.3 deprecates; updates tied to the graph
+also let several training graphs coexist.)
+
+Data-parallel training
+----------------------
+In a step of :func:`synk_lasagne.make_train_function` each rank normalizes with the statistics
+of ITS OWN share of the batch and updates its own running averages from them, as Synkhronos 1.0
+did (the gradient is all-reduced; the statistics are not).  The ranks' running averages then
+drift apart a little; :func:`average_running_statistics` makes them equal (their average over
+the ranks, one all-reduce) -- call it before evaluating or saving, or every few steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from synk_lasagne import nonlinearities
+from synk_lasagne.init import ONES, ZEROS
+from synk_lasagne.layers.base import Layer, add_state_updates
+
+__all__ = ["BatchNormLayer", "average_running_statistics", "batch_norm", "get_running_statistics"]
+
+
+class BatchNormLayer(Layer):
+    """Batch normalization (Ioffe and Szegedy, 2015) over ``axes``.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    axes : "auto" or int or tuple of int
+        The axes to average over; "auto": every axis but the second (per channel / feature).
+    epsilon : float
+        Added to the variance.
+    alpha : float
+        The weight of each new batch in the running averages.
+    beta, gamma : initialiser, array, shared variable or None
+        Shift and scale (trainable, not regularizable); None: none.
+    mean, inv_std : initialiser, array or shared variable
+        The running averages (not trainable).
+    """
+
+    def __init__(self, incoming: Any, axes: Any = "auto", epsilon: float = 1e-4, alpha: float = 0.1,
+                 beta: Any = ZEROS, gamma: Any = ONES, mean: Any = ZEROS,
+                 inv_std: Any = ONES, **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        if axes == "auto":
+            axes = (0, *range(2, len(self.input_shape)))
+        elif isinstance(axes, int):
+            axes = (axes,)
+        self.axes = tuple(axes)
+        self.epsilon = epsilon
+        self.alpha = alpha
+        shape = [n for axis, n in enumerate(self.input_shape) if axis not in self.axes]
+        if any(n is None for n in shape):
+            raise ValueError(f"BatchNormLayer needs the lengths of the axes it does not average over: input shape "
+                             f"{self.input_shape}, axes {self.axes}")
+        self.beta = None if beta is None else self.add_param(beta, shape, "beta", trainable=True,
+                                                             regularizable=False)
+        self.gamma = None if gamma is None else self.add_param(gamma, shape, "gamma", trainable=True,
+                                                               regularizable=False)
+        self.mean = self.add_param(mean, shape, "mean", trainable=False, regularizable=False)
+        self.inv_std = self.add_param(inv_std, shape, "inv_std", trainable=False, regularizable=False)
+
+    def get_output_for(self, input: Any, deterministic: bool = False,
+                       batch_norm_use_averages: bool | None = None, batch_norm_update_averages: bool | None = None,
+                       **kwargs: Any) -> Any:
+        """Normalized ``input``.
+
+        Parameters
+        ----------
+        deterministic : bool
+            Evaluation: the running averages, no update.
+        batch_norm_use_averages : bool, optional
+            Normalize with the running averages (default: ``deterministic``).
+        batch_norm_update_averages : bool, optional
+            Attach the running averages' updates to the output (default: ``not deterministic``;
+            see :func:`get_state_updates`).
+        """
+        import pytensor.tensor as pt
+
+        use_averages = deterministic if batch_norm_use_averages is None else batch_norm_use_averages
+        update_averages = (not deterministic) if batch_norm_update_averages is None else batch_norm_update_averages
+        if use_averages:
+            mean, inv_std = self.mean, self.inv_std
+        else:
+            mean = input.mean(self.axes)
+            inv_std = 1 / pt.sqrt(input.var(self.axes) + self.epsilon)
+        pattern = _broadcast_pattern(input.ndim, self.axes)
+        gamma = 1 if self.gamma is None else self.gamma.dimshuffle(pattern)
+        beta = 0 if self.beta is None else self.beta.dimshuffle(pattern)
+        output = (input - mean.dimshuffle(pattern)) * (gamma * inv_std.dimshuffle(pattern)) + beta
+        if update_averages:
+            batch_mean = input.mean(self.axes)
+            batch_inv_std = 1 / pt.sqrt(input.var(self.axes) + self.epsilon)
+            add_state_updates(output, [(self.mean, (1 - self.alpha) * self.mean + self.alpha * batch_mean),
+                                       (self.inv_std, (1 - self.alpha) * self.inv_std + self.alpha * batch_inv_std)])
+        return output
+
+def _broadcast_pattern(ndim: int, axes: Sequence[int]) -> list[Any]:
+    """The dimshuffle pattern that puts a per-channel vector back among ``ndim`` axes."""
+    pattern: list[Any] = []
+    kept = 0
+    for axis in range(ndim):
+        if axis in axes:
+            pattern.append("x")
+        else:
+            pattern.append(kept)
+            kept += 1
+    return pattern
+
+
+def batch_norm(layer: Layer, **kwargs: Any) -> Layer:
+    """Put a :class:`BatchNormLayer` after ``layer`` (Lasagne's ``batch_norm``).
+
+    The layer's nonlinearity moves after the normalization (a :class:`NonlinearityLayer`) and
+    its bias ``b`` is removed (the normalization's ``beta`` takes its place).
+
+    Returns
+    -------
+    Layer
+        The NonlinearityLayer (or the BatchNormLayer for a linear layer).
+    """
+    from synk_lasagne.layers.special import NonlinearityLayer
+
+    nonlinearity = getattr(layer, "nonlinearity", None)
+    if nonlinearity is not None:
+        layer.nonlinearity = nonlinearities.identity  # type: ignore[attr-defined]
+    if getattr(layer, "b", None) is not None:
+        del layer.params[layer.b]  # type: ignore[attr-defined]
+        layer.b = None  # type: ignore[attr-defined]
+    name = kwargs.pop("name", None) or (f"{layer.name}_bn" if layer.name else None)
+    normalized: Layer = BatchNormLayer(layer, name=name, **kwargs)
+    if nonlinearity is not None and nonlinearity is not nonlinearities.identity:
+        normalized = NonlinearityLayer(normalized, nonlinearity,
+                                       name=f"{layer.name}_bn_nonlin" if layer.name else None)
+    return normalized
+
+
+def get_running_statistics(layer_or_layers: Any) -> list[Any]:
+    """The running-average variables (``mean``, ``inv_std``) of every BatchNormLayer below."""
+    from synk_lasagne.layers.helper import get_all_layers
+
+    return [var for lay in get_all_layers(layer_or_layers) if isinstance(lay, BatchNormLayer)
+            for var in (lay.mean, lay.inv_std)]
+
+
+def average_running_statistics(layer_or_layers: Any) -> None:
+    """Make every rank's batch-norm running averages their average over the ranks (one
+    ``synkhronos.all_reduce(..., op="avg")``).  Without a forked group: nothing to do."""
+    import synkhronos as synk
+    from synkhronos.runtime import current
+
+    statistics = get_running_statistics(layer_or_layers)
+    rt = current()
+    if statistics and rt is not None and not rt.group.closed:
+        synk.all_reduce(statistics, op="avg")
