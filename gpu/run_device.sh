@@ -13,7 +13,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | bench | comm | profile | mnist | engine
+what=${1:-all}  # all | tests | bench | comm | profile | mnist | engine | resnet | resnet-fp32 | lasagne | cpu
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode
 # (float64: the tests' numpy data), as four pytest processes at once: each forks its own groups
 # over both GPUs (no preallocation), so they share the GPUs; their compile time runs in parallel.
@@ -42,6 +42,25 @@ if [ "$what" = all ] || [ "$what" = engine ]; then  # the JAX engine: its GPU te
   timeout 240 python3 -m pytest -p no:cacheprovider -q -s packages/synk-theano/tests/test_synk_engine_gpu.py 2>&1 \
     | tee "$OUT/engine_gpu_tests.log" || status=1
   timeout 300 python3 benchmarks/bench_engine.py 2>&1 | tee "$OUT/bench_engine.log" || status=1
+fi
+if [ "$what" = all ] || [ "$what" = lasagne ]; then  # layers and conv/pool Ops on the GPU (JAX), one rank
+  timeout 300 python3 -m pytest -p no:cacheprovider -q packages/synk-lasagne/tests/test_lasagne_ops.py \
+    packages/synk-lasagne/tests/test_lasagne_layers.py > "$OUT/lasagne_gpu_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/lasagne_gpu_tests.log"
+  PYTENSOR_FLAGS=floatX=float64 timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu \
+    packages/synk-lasagne/tests/test_lasagne_gpu.py 2>&1 | tail -n 3
+fi
+# ResNet-50 images/s (benchmarks/bench_resnet.py): every visible GPU; one precision per call (each compiles
+# ResNet-50 for every row: about 4-5 minutes on one H100).
+if [ "$what" = all ] || [ "$what" = resnet ]; then
+  timeout 560 python3 benchmarks/bench_resnet.py --batches 64,128 --precisions tf32 2>&1 | tee "$OUT/bench_resnet_tf32.log" || status=1
+fi
+if [ "$what" = all ] || [ "$what" = resnet-fp32 ]; then
+  timeout 560 python3 benchmarks/bench_resnet.py --batches 64,128 --precisions fp32 2>&1 | tee "$OUT/bench_resnet_fp32.log" || status=1
+fi
+# CPU mode on the machine's CPU cores (16 on the one-GPU kinds): scaling against torch DDP (gloo)
+if [ "$what" = all ] || [ "$what" = cpu ]; then
+  CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 300 python3 benchmarks/bench_cpu_scaling.py 2>&1 | tee "$OUT/bench_cpu_scaling.log" || status=1
 fi
 if [ "$what" = profile ]; then
   timeout 300 python3 benchmarks/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
