@@ -44,7 +44,8 @@ if [ "$what" = all ] || [ "$what" = engine ]; then  # the JAX engine: its GPU te
   timeout 300 python3 benchmarks/bench_engine.py 2>&1 | tee "$OUT/bench_engine.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = lasagne ]; then  # layers and conv/pool Ops on the GPU (JAX), one rank
-  timeout 300 python3 -m pytest -p no:cacheprovider -q packages/synk-lasagne/tests/test_lasagne_ops.py \
+  # float64: the tests compare float64 numpy data (as in CI)
+  PYTENSOR_FLAGS=floatX=float64 timeout 300 python3 -m pytest -p no:cacheprovider -q packages/synk-lasagne/tests/test_lasagne_ops.py \
     packages/synk-lasagne/tests/test_lasagne_layers.py > "$OUT/lasagne_gpu_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/lasagne_gpu_tests.log"
   PYTENSOR_FLAGS=floatX=float64 timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu \
