@@ -211,8 +211,10 @@ def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[Any]]:
 def compute(rt: Runtime, rep: Replica, weight: float, run: Callable[[], list[Any]]) -> list[Any]:
     """``run()`` (this rank's compute of ``rep``), inside the call's context when the graph holds
     in-graph collectives (:mod:`synkhronos.ops`), until its results are ready: under JAX the
-    collectives run in host callbacks, which must end before this rank's next use of the group."""
-    if not rep.has_collectives:
+    collectives run in host callbacks, which must end before this rank's next use of the group.
+    With one rank the collectives are the identity: nothing to enter, nothing to wait for (a wait
+    on every updated value also holds the host until the step ends)."""
+    if not rep.has_collectives or rt.size == 1:
         return run()
     with call_context.running(rt.group, weight) as ctx:
         try:
