@@ -94,6 +94,7 @@ class CpuDevice(Device):
 
             cpu.enable_x64_if_float64()
             cpu.backport_jax_arange()
+            cpu.quiet_x64_truncation()
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return dict(kwargs)
