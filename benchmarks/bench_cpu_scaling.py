@@ -116,24 +116,30 @@ def tiny_call(n: int) -> dict[str, float]:
     synk.fork(n, use_gpu=False)
     x = pt.matrix("x")
     f = synk.function([x], outputs=pt.sum(x))
-    g = pytensor.function([x], pt.sum(x))
+    plain_fns = {"plain_us": pytensor.function([x], pt.sum(x))}
+    try:
+        plain_fns["plain_jax_us"] = pytensor.function([x], pt.sum(x), mode="JAX")
+    except Exception:  # no JAX: that column stays empty
+        pass
     a = np.ones((4 * n, 2), dtype=x.dtype)
     xd = synk.data(a)
     for _ in range(300):
         f(xd)
-        g(a)
-    ours, plain = [], []
-    for _ in range(9):  # blocks alternate, so drift hits both sides alike
+        for g in plain_fns.values():
+            g(a)
+    times: dict[str, list[float]] = {"synk_us": [], **{k: [] for k in plain_fns}}
+    for _ in range(9):  # blocks alternate, so drift hits every side alike
         t0 = time.perf_counter()
         for _ in range(300):
             f(xd)
-        ours.append((time.perf_counter() - t0) / 300)
-        t0 = time.perf_counter()
-        for _ in range(300):
-            g(a)
-        plain.append((time.perf_counter() - t0) / 300)
+        times["synk_us"].append((time.perf_counter() - t0) / 300)
+        for key, g in plain_fns.items():
+            t0 = time.perf_counter()
+            for _ in range(300):
+                g(a)
+            times[key].append((time.perf_counter() - t0) / 300)
     synk.close()
-    return {"synk_us": statistics.median(ours) * 1e6, "plain_us": statistics.median(plain) * 1e6}
+    return {key: statistics.median(values) * 1e6 for key, values in times.items()}
 
 
 def _ddp_worker(rank: int, n: int, port: int, queue: Any) -> None:
@@ -265,8 +271,11 @@ def main() -> None:
         print("\n| tiny call (one scalar out), us | " + " | ".join(f"{n} ranks" for n in tiny_counts) + " |")
         print("|---|" + "---:|" * len(tiny_counts))
         print("| synkhronos CPU mode | " + " | ".join(_cell(tiny[n], "synk_us") for n in tiny_counts) + " |")
-        print("| plain PyTensor call (master) | " + " | ".join(_cell(tiny[n], "plain_us") for n in tiny_counts)
+        print("| plain PyTensor call, default mode | " + " | ".join(_cell(tiny[n], "plain_us") for n in tiny_counts)
               + " |")
+        print("| plain PyTensor call, JAX mode | " + " | ".join(
+            _cell(tiny[n], "plain_jax_us") if "plain_jax_us" in tiny[n].get("result", {}) else ""
+            for n in tiny_counts) + " |")
         first, last = tiny[tiny_counts[0]], tiny[tiny_counts[-1]]
         if "result" in first and "result" in last and len(tiny_counts) > 1:
             ratio = last["result"]["synk_us"] / first["result"]["synk_us"]

@@ -203,7 +203,7 @@ def test_without_jax_the_ranks_use_pytensors_default_mode(default_backend_choice
     monkeypatch.setattr(cpu, "jax_importable", lambda: False)
     assert cpu.choose_backend() == "pytensor"
     xd, yd = data(40)
-    inputs, loss, updates, _ = regression_step()
+    inputs, loss, _, _ = regression_step()
     synk.fork(2, use_gpu=False)
     assert current().device.backend == "pytensor"
     (pid,) = worker_pids()

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
+import posix_ipc
 
 from synk_comm import cores as cores_mod
 from synk_comm.buffers import Buffers
@@ -280,9 +281,17 @@ class Group:
         def check() -> None:
             self._check_workers()
 
+        done = self.sems.done
         while self._pending > 0:
             try:
-                wait(self.sems.done, check, what="the workers to finish", spin=self._spin)
+                done.acquire(0)  # already finished: no wait loop (one call per worker and command)
+            except posix_ipc.BusyError:
+                pass
+            else:
+                self._pending -= 1
+                continue
+            try:
+                wait(done, check, what="the workers to finish", spin=self._spin)
             except KeyboardInterrupt:
                 self.control.header[ABORT] = self.rank + 1
                 raise

@@ -141,7 +141,10 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         env["SYNK_PROFILE_DIR"] = os.getcwd()
     scratch = CallPlan.length(max_n_var, 0, n_parallel)  # exactly max_n_var Data ids and output indices
     # GPU ranks have cores to spare: poll longer before sleeping, as a sleeping rank wakes slowly.
-    spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu else 200))
+    # CPU ranks pinned to cores of their own too: a rank that polls takes no core from another
+    # rank, while a rank that slept between two calls wakes tens of microseconds late (and the
+    # master wakes the ranks one after the other).
+    spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu or core_sets else 200))
     group = synk_comm.start(n_parallel, imports=["synkhronos.worker"], master_rank=master_rank,
                             devices=devices, env=env, scratch_size=scratch, spin_us=spin, cores=core_sets)
     rt = Runtime(group, device)
