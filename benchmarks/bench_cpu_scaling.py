@@ -192,7 +192,18 @@ def ddp_step(n: int) -> float:
     procs = [ctx.Process(target=_ddp_worker, args=(r, n, port, queue)) for r in range(n)]
     for p in procs:
         p.start()
-    dt = float(queue.get(timeout=600))
+    import queue as queue_module
+
+    while True:  # a process that died would leave the result missing forever
+        try:
+            dt = float(queue.get(timeout=1.0))
+            break
+        except queue_module.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a DDP process failed (exit codes {failed}): see its traceback above") from None
     for p in procs:
         p.join()
     return dt
