@@ -74,6 +74,10 @@ def plain_step(mode: str) -> float:
     import pytensor
     import pytensor.tensor as pt
 
+    if mode == "JAX":  # PyTensor < 3.3: its JAX arange fails on this graph without the fix CPU mode uses
+        from synkhronos.cpu import backport_jax_arange
+
+        backport_jax_arange()
     rng = np.random.default_rng(0)
     x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
     loss, params = _mlp(x, y, rng)
