@@ -108,6 +108,22 @@ def pinning_enabled() -> bool:
     return os.environ.get(PIN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def use_cpu_platform() -> None:
+    """Make XLA's CPU backend JAX's default in this process, if JAX has not started yet (the
+    workers get ``JAX_PLATFORMS=cpu`` at launch): CPU mode computes on the CPU also on a machine
+    with GPUs."""
+    import sys
+
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+
+        if getattr(xla_bridge, "_backends", None):
+            return  # JAX already chose its backends in this process: left as they are
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
 def enable_x64_if_float64() -> None:
     """JAX computes in float64 only when asked: as PyTensor does, ask when floatX is float64."""
     import jax

@@ -92,6 +92,7 @@ class CpuDevice(Device):
         if backend == "jax":
             from synkhronos import cpu
 
+            cpu.use_cpu_platform()
             cpu.enable_x64_if_float64()
             cpu.backport_jax_arange()
             cpu.quiet_x64_truncation()

@@ -130,6 +130,8 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     else:
         backend = cpu.choose_backend()
         env[cpu.BACKEND_ENV] = backend
+        if backend == "jax":
+            env["JAX_PLATFORMS"] = "cpu"  # CPU mode on a machine with GPUs too: XLA's CPU backend
         core_sets = _core_sets(n_parallel)
         if core_sets is None:  # not pinned: each rank's pools a share of the cores
             threads = max(1, len(os.sched_getaffinity(0)) // n_parallel)
