@@ -115,7 +115,8 @@ def check_job(result, pid, png, ranks=2, baseline=True):
     assert re.search(r"epoch 2, train_loss [\d.]+, valid_loss [\d.]+, valid_accuracy [\d.]+, \d+ samples/s", out)
     accuracy = float(re.search(rf"final test accuracy \({ranks} ranks\): ([\d.]+)%", out).group(1)) / 100
     if baseline:
-        assert re.search(rf"speedup of {ranks} CPU processes over 1: \d+\.\d+x", out)
+        assert re.search(rf"speedup of {ranks} CPU processes \(backend \w+\) over one process on all \d+ cores "
+                         rf"\(same backend, model and steps\): \d+\.\d+x", out)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

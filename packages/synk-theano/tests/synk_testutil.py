@@ -12,8 +12,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import pytensor.tensor as pt
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
 
 import synk_shm
 
@@ -124,3 +128,19 @@ def slices_of(n_rows: int, num_slices: int) -> list[slice]:
     """The non-empty slices in which a rank computes its ``n_rows`` rows under ``num_slices``."""
     chunks = np.array_split(np.arange(n_rows), num_slices)
     return [slice(int(c[0]), int(c[-1]) + 1) for c in chunks if len(c)]
+
+
+# --- an Op that JAX cannot compile --------------------------------------------------------------
+
+class TwiceInPython(Op):
+    """``2 * x`` computed in Python (``perform``), with no JAX implementation: PyTensor's JAX mode
+    cannot compile a graph that holds it (CPU mode's JAX backend falls back)."""
+
+    __props__ = ()
+
+    def make_node(self, x: Any) -> Apply:
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node: Any, inputs: Sequence[Any], output_storage: Any) -> None:
+        output_storage[0][0] = np.asarray(2 * inputs[0], dtype=node.outputs[0].dtype)

@@ -242,16 +242,19 @@ def test_fork_after_a_synk_comm_group_uses_every_gpu(tmp_path):
 
 @pytest.mark.skipif(not USE_GPU and len(os.sched_getaffinity(0)) > 4,
                     reason="one worker per core would be too many here")
-def test_default_n_parallel_is_every_core_or_every_gpu():
-    """Without a GPU, fork() with no arguments is CPU mode on every core; with GPUs, GPU mode on
-    every GPU."""
+def test_default_n_parallel_is_the_cpu_rule_or_every_gpu():
+    """Without a GPU, fork() with no arguments is CPU mode with synkhronos.cpu.default_ranks of
+    the cores (every core, up to 4); with GPUs, GPU mode on every GPU."""
+    from synkhronos.cpu import default_ranks
+
     if USE_GPU:
         n = synk.fork()
         assert n == gpu_count()
         assert current().device.kind == "gpu"
     else:
+        cores = len(os.sched_getaffinity(0))
         n = synk.fork() if gpu_count() == 0 else synk.fork(use_gpu=False)
-        assert n == len(os.sched_getaffinity(0))
+        assert n == default_ranks(cores)
         assert current().device.kind == "cpu"
     check_row_function(row_function(), np.arange(12.0).reshape(6, 2), n)
 

@@ -36,7 +36,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
+import posix_ipc
 
+from synk_comm import cores as cores_mod
 from synk_comm.buffers import Buffers
 from synk_comm.devices import pin
 from synk_comm.errors import (
@@ -128,6 +130,7 @@ class Group:
         self._buffer_turn = 0
         self._command_names: list[str] = []
         self._nccl: Any = None
+        self._affinity: dict[int, set[int]] | None = None  # the master's masks before start(cores=...)
         if create:
             self.control = ControlBlock.create(f"{prefix}ctl", size, scratch_size)
         else:
@@ -139,7 +142,9 @@ class Group:
         self.host = ShmCollectives(self)
         self.workers = [r for r in range(size) if r != master_rank]
         self._master_pid = os.getpid() if create else int(os.environ.get("SYNK_MASTER_PID", "0"))
-        self._spin = SPIN_S if size <= len(os.sched_getaffinity(0)) else 0.0
+        # The master decides (no spinning with more ranks than cores) and tells the workers at launch
+        # (SYNK_SPIN_US): a worker pinned to its own cores cannot tell how many the group has.
+        self._spin = SPIN_S if not create or size <= len(os.sched_getaffinity(0)) else 0.0
         self.abort_grace_s: float | None = None
         """Seconds the master waits, once a worker has reported an error during a command, for the
         other workers to finish it; then it counts them as stuck (inside a collective that can no
@@ -301,9 +306,17 @@ class Group:
                 elif now - error_seen[0] > self.abort_grace_s:
                     self._fail_stuck()
 
+        done = self.sems.done
         while self._pending > 0:
             try:
-                wait(self.sems.done, check, what="the workers to finish", spin=self._spin)
+                done.acquire(0)  # already finished: no wait loop (one call per worker and command)
+            except posix_ipc.BusyError:
+                pass
+            else:
+                self._pending -= 1
+                continue
+            try:
+                wait(done, check, what="the workers to finish", spin=self._spin)
             except KeyboardInterrupt:
                 self.control.header[ABORT] = self.rank + 1
                 raise
@@ -470,6 +483,12 @@ class Group:
             self._release_resources(unlink=False)
         self._closed = True
 
+    def _unpin(self) -> None:
+        """Give the master's threads the cores they had before :func:`start` pinned them."""
+        if self._affinity is not None:
+            cores_mod.restore(self._affinity)
+            self._affinity = None
+
     def _shutdown(self, timeout: float) -> None:
         """Tell every worker to exit (after aborting whatever it is doing), join, clean up."""
         if self._procs:
@@ -494,6 +513,7 @@ class Group:
         self._procs.clear()
         self._pending = 0
         self._release_resources(unlink=True)
+        self._unpin()
         self._closed = True
 
     def _release_resources(self, unlink: bool) -> None:
@@ -535,7 +555,7 @@ def _master_gone(prefix: str) -> None:
 def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
           devices: Sequence[str | int] | None = None, env: dict[str, str] | None = None,
           scratch_size: int = 4096, startup_timeout: float = 300.0, main_path: str | None = None,
-          spin_us: float | None = None) -> Group:
+          spin_us: float | None = None, cores: Sequence[Sequence[int]] | None = None) -> Group:
     """Start ``size - 1`` worker processes and return the master's :class:`Group` (rank ``master_rank``).
 
     Parameters
@@ -558,6 +578,11 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
     spin_us : float, optional
         Microseconds each wait polls before it sleeps, in every rank (default ``SYNK_SPIN_US``
         or 200; never with more ranks than cores).
+    cores : sequence of sequences of int, optional
+        One set of CPU cores per rank (disjoint, e.g. :func:`synk_comm.cores.split`): every
+        thread of rank ``r`` runs on ``cores[r]`` (the master's until the group closes), and a
+        worker's BLAS/OpenMP/Numba pools are sized to it unless the environment sets their
+        variables (:mod:`synk_comm.cores`).
 
     Raises
     ------
@@ -578,6 +603,8 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
         raise ValueError(f"master_rank must be in [0, {size}), got {master_rank}")
     if devices is not None and len(devices) != size:
         raise ValueError(f"devices must have one entry per rank ({size}), got {len(devices)}")
+    if cores is not None and (len(cores) != size or not all(cores)):
+        raise ValueError(f"cores must have one non-empty set of cores per rank ({size}), got {cores!r}")
     for module in imports:
         importlib.import_module(module)
     if devices is not None:  # the master's own GPU, in effect if CUDA is not initialised yet
@@ -598,15 +625,19 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
     base_env.update({naming.RUN_PREFIX_ENV: naming.run_prefix(), "SYNK_GROUP_PREFIX": prefix,
                      "SYNK_SIZE": str(size), "SYNK_MASTER_RANK": str(master_rank),
                      "SYNK_MASTER_PID": str(os.getpid()), "SYNK_SCRATCH_SIZE": str(scratch_size)})
-    if spin_us is not None:
-        base_env["SYNK_SPIN_US"] = str(spin_us)
+    base_env["SYNK_SPIN_US"] = str(group._spin * 1e6)
     try:
         for r in group.workers:
             wenv = dict(base_env, SYNK_RANK=str(r))
             if devices is not None:
                 wenv["CUDA_VISIBLE_DEVICES"] = str(devices[r])
+            if cores is not None:
+                wenv[cores_mod.CORES_ENV] = ",".join(str(c) for c in cores[r])
+                wenv.update(cores_mod.thread_env(len(cores[r]), base_env))
             group._procs[r] = subprocess.Popen([sys.executable, "-m", "synk_comm.worker"], env=wenv,
                                                stdin=subprocess.DEVNULL)
+        if cores is not None:  # after the launches: a child starts with the mask of its parent's thread
+            group._affinity = cores_mod.pin_process(cores[master_rank])
         group._pending = len(group.workers)
         t0 = time.monotonic()
         while group._pending:

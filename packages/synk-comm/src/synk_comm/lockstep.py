@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from os import sched_yield
 
 import numpy as np
 import posix_ipc
@@ -121,7 +122,8 @@ def wait(sem: posix_ipc.Semaphore, check: Callable[[], None], timeout: float | N
     """Take ``sem``, calling ``check()`` every :data:`POLL_S` seconds while it is not available.
 
     ``check`` raises to stop waiting (a dead peer, an abort).  ``timeout`` (seconds) bounds the
-    whole wait with a TimeoutError.  The first ``spin`` seconds poll without sleeping.
+    whole wait with a TimeoutError.  The first ``spin`` seconds poll without sleeping, yielding
+    the core between two polls to any other thread that is ready to run on it.
     """
     if spin > 0:
         spin_end = time.perf_counter() + spin
@@ -134,6 +136,9 @@ def wait(sem: posix_ipc.Semaphore, check: Callable[[], None], timeout: float | N
                     pass
             if time.perf_counter() > spin_end:
                 break
+            # Let the process's other threads have the core: a rank pinned to one core still runs
+            # work there while it waits (JAX computes asynchronously on threads of its own).
+            sched_yield()
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:

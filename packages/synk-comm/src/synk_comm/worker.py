@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from synk_comm import cores as cores_mod
 from synk_comm import group as group_module
 from synk_comm.lockstep import ERROR, MAILBOX
 
@@ -51,6 +52,7 @@ def _missing_handler(name: str) -> Any:
 
 
 def main() -> None:
+    cores_mod.pin_from_env()  # first: the threads started from here on inherit the cores
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     env = os.environ
     prefix = env["SYNK_GROUP_PREFIX"]

@@ -3,13 +3,16 @@
 A :class:`Device` answers the few questions that differ between CPU mode and GPU mode:
 how to compile (``mode``), how to read a shared variable's value to host memory, how to set it
 from host memory, and how to turn an input array into what the compiled function takes.  CPU
-mode keeps values as numpy arrays in the variables' own containers.
+mode keeps values in the variables' own containers (numpy arrays, or JAX arrays on the CPU where
+a function compiled in JAX mode updated them) and compiles with the backend that
+:mod:`synkhronos.cpu` chose.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,10 +32,17 @@ class Device:
     """The array module of values computed in this rank (numpy; jax.numpy on GPUs)."""
     nccl_capable = False
     """Whether values may move between ranks through NCCL (GPU mode with values on a GPU)."""
+    computes_in_jax = False
+    """Whether compiled functions may return JAX arrays, in JAX's dtypes (GPU mode; CPU mode's JAX
+    backend): updates applied by PyTensor are cast back to their variables' declared dtypes."""
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The keyword arguments for ``pytensor.function`` in this mode."""
         raise NotImplementedError
+
+    def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None) -> Any:
+        """``build(**kwargs)``: the compiled function (``kwargs`` from :meth:`compile_kwargs`)."""
+        return build(**kwargs)
 
     def get(self, var: SharedVariable) -> np.ndarray:
         """The variable's value in this rank, as a numpy array (no copy where possible)."""
@@ -73,15 +83,61 @@ class Device:
 
 
 class CpuDevice(Device):
-    """CPU mode: numpy values in the shared variables' containers, PyTensor's configured mode."""
+    """CPU mode: values in the shared variables' containers, compiled by ``backend``.
+
+    Parameters
+    ----------
+    backend : str
+        ``"jax"``: PyTensor's JAX mode (XLA CPU) for every function without a ``mode`` of its
+        own, falling back per function to the default mode where JAX fails
+        (:class:`~synkhronos.cpu.JaxOrDefault`); ``"pytensor"``: PyTensor's configured mode.
+        The master chooses (:func:`synkhronos.cpu.choose_backend`), the workers follow.
+    """
 
     kind = "cpu"
+
+    def __init__(self, backend: str = "pytensor") -> None:
+        if backend not in ("jax", "pytensor"):
+            raise ValueError(f"CPU backend must be 'jax' or 'pytensor', got {backend!r}")
+        self.backend = backend
+        self.computes_in_jax = backend == "jax"
+        if backend == "jax":
+            from synkhronos import cpu
+
+            cpu.use_cpu_platform()
+            cpu.enable_x64_if_float64()
+            cpu.backport_jax_arange()
+            cpu.quiet_x64_truncation()
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return dict(kwargs)
 
+    def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None) -> Any:
+        """JAX mode with a per-function fallback (backend ``"jax"``, no ``mode`` given), else
+        ``build(**kwargs)``."""
+        if self.backend != "jax" or kwargs.get("mode") is not None:
+            return build(**kwargs)
+        from synkhronos.cpu import JaxOrDefault
+
+        return JaxOrDefault(lambda mode: build(**kwargs) if mode is None else build(**kwargs, mode=mode),
+                            name or "(unnamed)")
+
+    def adopt(self, var: SharedVariable) -> None:
+        """Backend ``"jax"``: the master's ``get_value()`` returns numpy, as in PyTensor's default
+        mode, also where a JAX-mode update left a JAX array in the container."""
+        if self.backend != "jax" or not hasattr(var.type, "dtype"):
+            return
+
+        def get_value(self_: Any, borrow: bool = False, return_internal_type: bool = False) -> Any:
+            value = self_.container.storage[0]
+            if return_internal_type:
+                return value
+            return np.asarray(value) if borrow else np.array(value)
+
+        var.get_value = types.MethodType(get_value, var)  # type: ignore[method-assign]
+
     def get(self, var: SharedVariable) -> np.ndarray:
-        return np.asarray(var.get_value(borrow=True))
+        return np.asarray(var.container.storage[0])
 
     def set(self, var: SharedVariable, value: Any) -> None:
         var.set_value(np.array(value, dtype=var.type.dtype, copy=True), borrow=True)

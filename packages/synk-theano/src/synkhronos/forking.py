@@ -4,9 +4,10 @@ The master is rank ``master_rank``; every other rank is a fresh interpreter star
 :func:`synk_comm.start` from ``synk_comm``'s entry module (never a fork of the master, never a
 re-run of its ``__main__``: scripts without a main guard work).  Each worker gets, at launch, the
 master's PyTensor configuration (``PYTENSOR_FLAGS``: floatX, mode, linker, optimizer, compile
-directory -- so it reuses the master's compile cache) and, in CPU mode, a share of the cores for
-its BLAS/Numba threads so that n ranks do not oversubscribe the machine; the master's own BLAS is
-limited likewise (threadpoolctl) until :func:`close`.
+directory -- so it reuses the master's compile cache) and, in CPU mode, the backend the master
+chose and a disjoint set of cores of its own, with its BLAS/OpenMP/Numba/XLA threads sized to it
+(:mod:`synkhronos.cpu`, :mod:`synk_comm.cores`); the master runs on its own set too, and its
+BLAS is limited likewise (threadpoolctl), until :func:`close`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from typing import Any
 
 import synk_comm
+from synk_comm import cores as cores_mod
+from synkhronos import cpu
 from synkhronos.calls import CallPlan
 from synkhronos.device import CpuDevice
 from synkhronos.runtime import Runtime, current, set_current
@@ -24,8 +27,6 @@ from synkhronos.runtime import Runtime, current, set_current
 __all__ = ["fork", "close"]
 
 log = logging.getLogger("synkhronos")
-
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def _pytensor_flags() -> str:
@@ -61,8 +62,11 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     Parameters
     ----------
     n_parallel : int, optional
-        Ranks, the master included.  Default: every GPU (GPU mode), or every core in
-        ``os.sched_getaffinity(0)`` (CPU mode).
+        Ranks, the master included.  Default: every GPU (GPU mode); in CPU mode
+        ``SYNK_CPU_RANKS`` if set, else :func:`synkhronos.cpu.default_ranks` of the cores in
+        ``os.sched_getaffinity(0)`` (one per core up to 4 cores, else one per 4 cores, at
+        least 4).  In CPU mode, ranks get disjoint sets of cores (``SYNK_CPU_PIN=0``: not
+        pinned) and compile with JAX when it is installed (see :mod:`synkhronos.cpu`).
     use_gpu : bool, optional
         None: GPU mode on a machine with GPUs, else CPU mode.  False: CPU mode with
         ``n_parallel`` worker processes.  True: GPU mode (an error without GPUs).
@@ -106,7 +110,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     if use_gpu is None:
         use_gpu = n_gpus > 0
     if n_parallel is None:
-        n_parallel = n_gpus if use_gpu else len(os.sched_getaffinity(0))
+        n_parallel = n_gpus if use_gpu else cpu.default_ranks(len(os.sched_getaffinity(0)))
     if not isinstance(n_parallel, int) or n_parallel < 1:
         raise ValueError(f"n_parallel must be an int >= 1, got {n_parallel!r}")
     if not isinstance(master_rank, int) or not 0 <= master_rank < n_parallel:
@@ -136,6 +140,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
                  "GPU" if use_gpu else "CPU", time.perf_counter() - t0)
         return n_parallel
     devices = None
+    core_sets = None
     if use_gpu:
         from synkhronos.gpu import prepare_master
 
@@ -143,16 +148,27 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         device = _gpu_device()
     else:
-        threads = max(1, len(os.sched_getaffinity(0)) // n_parallel)
-        env.update({var: os.environ.get(var, str(threads)) for var in THREAD_VARS})
-        device = CpuDevice()
+        backend = cpu.choose_backend()
+        env[cpu.BACKEND_ENV] = backend
+        if backend == "jax":
+            env["JAX_PLATFORMS"] = "cpu"  # CPU mode on a machine with GPUs too: XLA's CPU backend
+        core_sets = _core_sets(n_parallel)
+        if core_sets is None:  # not pinned: each rank's pools a share of the cores
+            threads = max(1, len(os.sched_getaffinity(0)) // n_parallel)
+            env.update(cores_mod.thread_env(threads))
+        else:  # synk_comm sizes each worker's pools to its own set
+            threads = len(core_sets[master_rank])
+        device = CpuDevice(backend)
     if profile_workers:
         env["SYNK_PROFILE_DIR"] = os.getcwd()
     scratch = CallPlan.length(max_n_var, 0, n_parallel)  # exactly max_n_var Data ids and output indices
     # GPU ranks have cores to spare: poll longer before sleeping, as a sleeping rank wakes slowly.
-    spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu else 200))
+    # CPU ranks pinned to cores of their own too: a rank that polls takes no core from another
+    # rank, while a rank that slept between two calls wakes tens of microseconds late (and the
+    # master wakes the ranks one after the other).
+    spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu or core_sets else 200))
     group = synk_comm.start(n_parallel, imports=["synkhronos.worker"], master_rank=master_rank,
-                            devices=devices, env=env, scratch_size=scratch, spin_us=spin)
+                            devices=devices, env=env, scratch_size=scratch, spin_us=spin, cores=core_sets)
     rt = Runtime(group, device)
     rt.max_dim = max_dim
     if not use_gpu and n_parallel > 1:
@@ -162,9 +178,11 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
 
         rt.thread_limits = threadpool_limits(limits=threads, user_api="blas")
     set_current(rt)
+    where = f", GPUs {devices}" if devices else ""
+    if not use_gpu:
+        where = f", backend {device.backend}, " + (f"cores {core_sets}" if core_sets else "not pinned")
     log.info("synkhronos: %d ranks in %s mode (master rank %d%s) ready in %.2f s", n_parallel,
-             "GPU" if use_gpu else "CPU", master_rank, f", GPUs {devices}" if devices else "",
-             time.perf_counter() - t0)
+             "GPU" if use_gpu else "CPU", master_rank, where, time.perf_counter() - t0)
     return n_parallel
 
 
@@ -187,7 +205,7 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX in the master: no GPU hoarding
     else:
         threads = max(1, len(os.sched_getaffinity(0)) // n_parallel)
-        env.update({var: os.environ.get(var, str(threads)) for var in THREAD_VARS})
+        env.update(cores_mod.thread_env(threads))
     if profile_workers:
         env["SYNK_PROFILE_DIR"] = os.getcwd()
     scratch = CallPlan.length(max_n_var, 0, n_parallel)
@@ -202,6 +220,18 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
         raise
     group.abort_grace_s = None  # set per call (synkhronos.engine.master)
     return Runtime(group, HostDevice(), engine=Orchestrator())
+
+
+def _core_sets(n_parallel: int) -> list[list[int]] | None:
+    """CPU mode: each rank's cores (disjoint), or None where ranks are not pinned (one rank,
+    ``SYNK_CPU_PIN=0``, or more ranks than cores)."""
+    cores = cores_mod.available()
+    if n_parallel == 1 or not cpu.pinning_enabled():
+        return None
+    if n_parallel > len(cores):
+        log.info("synkhronos: %d CPU ranks on %d cores: not pinned (they share the cores)", n_parallel, len(cores))
+        return None
+    return cores_mod.split(cores, n_parallel)
 
 
 def _gpu_device() -> Any:

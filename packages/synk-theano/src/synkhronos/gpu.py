@@ -94,6 +94,7 @@ class GpuDevice(Device):
 
     kind = "gpu"
     use_gpu = True
+    computes_in_jax = True
 
     def __init__(self) -> None:
         import jax

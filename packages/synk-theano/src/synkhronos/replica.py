@@ -140,9 +140,12 @@ class Replica:
                  subset: Subset) -> Any:
         import pytensor
 
+        def build(**kwargs: Any) -> Any:
+            return pytensor.function(inputs, outputs, updates=updates, givens=givens or None, name=self.spec.name,
+                                     **kwargs)
+
         t0 = time.perf_counter()
-        fn = pytensor.function(inputs, outputs, updates=updates, givens=givens or None, name=self.spec.name,
-                               **self._kwargs(subset))
+        fn = self.device.compile(build, self._kwargs(subset), self.spec.name)
         self.compile_seconds += time.perf_counter() - t0
         fn.trust_input = True  # inputs are checked in the master (dtype, ndim) before any call
         return fn
@@ -163,10 +166,11 @@ class Replica:
         return bool(found)
 
     def settle_updates(self) -> None:
-        """After PyTensor applied the updates itself (a one-pass call): in GPU mode, each updated
-        value in its variable's declared dtype (see :func:`_declared`).  Every rank must hold the
-        same dtype, or NCCL would move a different number of bytes in each."""
-        if self.device.use_gpu:
+        """After PyTensor applied the updates itself (a one-pass call): where values are computed
+        by JAX (GPU mode, CPU mode's JAX backend), each updated value in its variable's declared
+        dtype (see :func:`_declared`).  Every rank must hold the same dtype, or NCCL would move a
+        different number of bytes in each."""
+        if self.device.computes_in_jax:
             for var, _ in self.spec.updates:
                 storage = var.container.storage
                 storage[0] = _declared([storage[0]], [var])[0]

@@ -28,7 +28,9 @@ def make_device(use_gpu: bool) -> Device:
         from synkhronos.gpu import GpuDevice
 
         return GpuDevice()
-    return CpuDevice()
+    from synkhronos.cpu import BACKEND_ENV
+
+    return CpuDevice(os.environ.get(BACKEND_ENV, "pytensor"))
 
 
 def runtime(group: Group) -> Runtime:

@@ -1,0 +1,254 @@
+"""CPU mode's speed: the backend that compiles each rank's functions, the cores of each rank, and
+how many ranks a fork starts by default (see ``docs/guides/cpu.rst`` for the measurements).
+
+Backend
+    Each rank compiles with PyTensor's JAX mode (XLA's CPU backend) when JAX is installed
+    (``pip install "synk-theano[cpu]"``), else with PyTensor's default mode.  A mode the user
+    chose wins: ``mode=`` of :func:`synkhronos.function`, ``mode=`` in ``PYTENSOR_FLAGS``, or
+    ``pytensor.config.mode`` set before :func:`synkhronos.fork`.  ``SYNK_CPU_BACKEND=jax`` or
+    ``=pytensor`` forces the choice.  A function that JAX cannot compile or run (an Op without a
+    JAX implementation, a shape JAX cannot trace) falls back to the default mode, with one log
+    line (:class:`JaxOrDefault`).
+Cores
+    With at most as many ranks as cores, every rank runs on its own disjoint set of cores
+    (:mod:`synk_comm.cores`); ``SYNK_CPU_PIN=0`` turns it off.
+Ranks
+    :func:`default_ranks`: one rank per core up to 4 cores, else one per 4 cores (at least 4).
+    ``fork(n_parallel=...)`` or ``SYNK_CPU_RANKS`` choose otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import warnings
+from typing import Any
+
+__all__ = ["BACKEND_ENV", "PIN_ENV", "RANKS_ENV", "JaxOrDefault", "choose_backend", "default_ranks",
+           "jax_importable", "pinning_enabled", "user_mode"]
+
+log = logging.getLogger("synkhronos")
+
+BACKEND_ENV = "SYNK_CPU_BACKEND"
+"""``jax`` or ``pytensor``: forces CPU mode's backend (the master decides at fork; workers read it)."""
+PIN_ENV = "SYNK_CPU_PIN"
+"""``0``: CPU ranks are not pinned to cores of their own."""
+RANKS_ENV = "SYNK_CPU_RANKS"
+"""The number of CPU ranks when ``fork`` is not given ``n_parallel``."""
+SKIPPED_ASSERT = "Skipping .*Assert"
+"""PyTensor's warning, at every JAX compile of a graph with shape checks, that JAX drops them (the
+master checks every call's inputs before the ranks compute): not shown for CPU mode's own choice."""
+CORES_PER_RANK = 4
+"""Cores per rank of the default rank count on machines of more than 4 cores."""
+
+
+def jax_importable() -> bool:
+    """Whether JAX (and its compiled library) is installed."""
+    return importlib.util.find_spec("jax") is not None and importlib.util.find_spec("jaxlib") is not None
+
+
+def user_mode() -> str | None:
+    """The PyTensor mode the user chose (``PYTENSOR_FLAGS`` or ``pytensor.config.mode``), None for
+    PyTensor's default."""
+    for item in os.environ.get("PYTENSOR_FLAGS", "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "mode" and value.strip():
+            return value.strip()
+    import pytensor
+
+    mode = pytensor.config.mode
+    return None if mode == "Mode" else str(mode)
+
+
+def choose_backend() -> str:
+    """CPU mode's backend for this run: ``"jax"`` or ``"pytensor"`` (see the module docstring).
+
+    Raises
+    ------
+    ValueError
+        For a ``SYNK_CPU_BACKEND`` other than ``jax`` or ``pytensor``, or ``jax`` without JAX.
+    """
+    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if forced == "jax" and not jax_importable():
+        raise ValueError(f"{BACKEND_ENV}=jax but JAX is not installed: pip install 'synk-theano[cpu]', "
+                         f"or unset {BACKEND_ENV}")
+    if forced in ("jax", "pytensor"):
+        return forced
+    if forced:
+        raise ValueError(f"{BACKEND_ENV}={forced!r}: use 'jax' or 'pytensor' (or unset it)")
+    if user_mode() is not None:
+        return "pytensor"
+    return "jax" if jax_importable() else "pytensor"
+
+
+def default_ranks(n_cores: int) -> int:
+    """CPU ranks of a fork without ``n_parallel``: one per core up to 4 cores, else one per
+    :data:`CORES_PER_RANK` cores, at least 4 (measured on 2 and 16 cores: docs/guides/cpu.rst).
+
+    ``SYNK_CPU_RANKS`` overrides it.
+
+    Examples
+    --------
+    >>> [default_ranks(c) for c in (1, 2, 4, 8, 16, 64)]
+    [1, 2, 4, 4, 4, 16]
+    """
+    forced = os.environ.get(RANKS_ENV, "").strip()
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"{RANKS_ENV}={forced!r}: give a number of ranks >= 1 (or unset it)")
+        return int(forced)
+    if n_cores <= CORES_PER_RANK:
+        return max(1, n_cores)
+    return max(CORES_PER_RANK, n_cores // CORES_PER_RANK)
+
+
+def pinning_enabled() -> bool:
+    """Whether CPU ranks are pinned to cores of their own (``SYNK_CPU_PIN``, default on)."""
+    return os.environ.get(PIN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def use_cpu_platform() -> None:
+    """Make XLA's CPU backend JAX's default in this process, if JAX has not started yet (the
+    workers get ``JAX_PLATFORMS=cpu`` at launch): CPU mode computes on the CPU also on a machine
+    with GPUs."""
+    import sys
+
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+
+        if getattr(xla_bridge, "_backends", None):
+            return  # JAX already chose its backends in this process: left as they are
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
+def enable_x64_if_float64() -> None:
+    """JAX computes in float64 only when asked: as PyTensor does, ask when floatX is float64."""
+    import jax
+    import pytensor
+
+    jax.config.update("jax_enable_x64", pytensor.config.floatX == "float64")
+
+
+def quiet_x64_truncation() -> None:
+    """Without x64 (floatX float32), JAX warns at each trace that a float64 accumulator or int64
+    index is computed in 32 bits: that is the point (float32 models compute in float32, as in
+    PyTensor's default mode's float32 kernels), so CPU mode does not show it."""
+    warnings.filterwarnings("ignore", message="Explicitly requested dtype .* is not available", category=UserWarning)
+
+
+def _group_errors() -> tuple[type[BaseException], ...]:
+    from synk_comm.errors import GroupAborted, GroupBrokenError, WorkerDiedError, WorkerError
+
+    return (GroupAborted, GroupBrokenError, WorkerDiedError, WorkerError)
+
+
+_GROUP_ERRORS = _group_errors()
+
+
+def backport_jax_arange() -> None:
+    """PyTensor < 3.3: make JAX mode's ``arange`` take integer literals in the Op's dtype.
+
+    PyTensor types the literals 0 and 1 of ``pt.arange(n)`` as int8, and its JAX implementation
+    passes them on as such: ``jnp.arange`` then overflows for ``n > 127`` (PyTensor 3.3 casts
+    them to the Op's dtype; this registers that implementation on older versions).  Without it
+    the usual ``logp[pt.arange(y.shape[0]), y]`` of a cross-entropy fails in JAX mode.
+    """
+    import pytensor
+
+    if tuple(int(v) for v in pytensor.__version__.split(".")[:2] if v.isdigit()) >= (3, 3):
+        return
+    import jax.numpy as jnp
+    import numpy as np
+    from pytensor.graph.basic import Constant
+    from pytensor.link.jax.dispatch.basic import jax_funcify
+    from pytensor.tensor.basic import ARange
+    from pytensor.tensor.shape import Shape_i
+
+    @jax_funcify.register(ARange)
+    def jax_funcify_ARange(op: Any, node: Any, **kwargs: Any) -> Any:
+        constants: list[Any] = []
+        for arg in node.inputs:
+            if arg.owner is not None and isinstance(arg.owner.op, Shape_i):
+                constants.append(None)  # a shape: concrete while JAX traces
+            elif isinstance(arg, Constant):
+                constants.append(np.asarray(arg.value, op.dtype))
+            else:
+                raise NotImplementedError("JAX needs the bounds of arange to be constants or shapes")
+
+        def arange(start: Any, stop: Any, step: Any) -> Any:
+            bounds = [v if c is None else c for v, c in zip((start, stop, step), constants)]
+            return jnp.arange(bounds[0], bounds[1], bounds[2], dtype=op.dtype)
+
+        return arange
+
+
+def _draws_random_numbers(fn: Any) -> bool:
+    """Whether a compiled function reads a random generator (a shared ``RandomType`` variable)."""
+    from pytensor.tensor.random.type import RandomType
+
+    return any(isinstance(getattr(v, "type", None), RandomType) for v in fn.maker.fgraph.inputs)
+
+
+class JaxOrDefault:
+    """A function compiled in JAX mode, recompiled in PyTensor's default mode the first time JAX
+    fails to compile or run it (one log line says so); the call that failed is run again there.
+
+    A call that fails in both modes raises the default mode's error: the user's.  JAX computes
+    without side effects, so a failed JAX call changed no shared variable.
+
+    Parameters
+    ----------
+    compile_fn : callable
+        ``compile_fn(mode)`` -> a compiled PyTensor function (``mode`` None: the default).
+    name : str
+        The function's name, for the log line.
+    """
+
+    def __init__(self, compile_fn: Any, name: str) -> None:
+        self._compile_fn = compile_fn
+        self._name = name
+        self._trust_input = False
+        self.mode = "JAX"
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=SKIPPED_ASSERT)
+                self.fn = compile_fn("JAX")
+        except Exception as exc:  # an Op without a JAX implementation, or JAX not working here
+            self._fall_back(exc, "compile")
+            return
+        if _draws_random_numbers(self.fn):
+            self._fall_back(ValueError("JAX mode compiles a copy of each random generator, which the "
+                                       "rank's slices and updates would not advance"), "use its random generators")
+
+    def _fall_back(self, exc: BaseException, when: str) -> None:
+        log.info("synkhronos: function %s could not %s in JAX mode (%s: %s); it runs in PyTensor's "
+                 "default mode", self._name, when, type(exc).__name__, str(exc).splitlines()[0][:200])
+        self.mode = "default"
+        self.fn = self._compile_fn(None)
+        self.fn.trust_input = self._trust_input
+
+    @property
+    def trust_input(self) -> bool:
+        return self._trust_input
+
+    @trust_input.setter
+    def trust_input(self, value: bool) -> None:
+        self._trust_input = value
+        self.fn.trust_input = value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.mode != "JAX":
+            return self.fn(*args, **kwargs)
+        try:
+            return self.fn(*args, **kwargs)
+        except _GROUP_ERRORS:  # the group's, not JAX's: running the function again would not help
+            raise
+        except Exception as exc:
+            self._fall_back(exc, "run")
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # get_shared, maker, ...: the compiled function's
+        return getattr(self.fn, name)

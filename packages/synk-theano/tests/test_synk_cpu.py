@@ -1,0 +1,233 @@
+"""CPU mode's backend, cores and rank count (synkhronos.cpu, synk_comm.cores), with real workers.
+
+Every result is checked against plain PyTensor in PyTensor's default mode (or numpy); no timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from synk_testutil import TIMEOUT, USE_GPU, TwiceInPython, worker_pids
+
+import synkhronos as synk
+from synk_comm import cores
+from synkhronos import cpu
+from synkhronos.runtime import current
+
+pytestmark = [pytest.mark.timeout(TIMEOUT),
+              pytest.mark.skipif(USE_GPU, reason="CPU mode only: the CPU backend, pinning and rank count")]
+needs_jax = pytest.mark.skipif(not cpu.jax_importable(), reason="JAX is not installed (synk-theano[cpu])")
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+
+
+@pytest.fixture(autouse=True)
+def closed_after():
+    yield
+    synk.close()
+
+
+@pytest.fixture
+def default_backend_choice(monkeypatch):
+    """No backend forced and no mode chosen by the environment: synkhronos's own choice."""
+    monkeypatch.delenv(cpu.BACKEND_ENV, raising=False)
+    flags = ",".join(f for f in os.environ.get("PYTENSOR_FLAGS", "").split(",") if not f.startswith("mode="))
+    monkeypatch.setenv("PYTENSOR_FLAGS", flags)
+
+
+def worker_environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def regression_step() -> tuple[list, object, object, object]:
+    """A least-squares SGD step with outputs and updates of shared variables (a reduction, an
+    ``arange`` index longer than 127 rows as in a cross-entropy)."""
+    rng = np.random.default_rng(3)
+    w = pytensor.shared(rng.standard_normal((4, 3)), name="w")
+    b = pytensor.shared(np.zeros(3), name="b")
+    x, y = pt.matrix("x"), pt.ivector("y")
+    scores = x @ w + b
+    logp = pt.special.log_softmax(scores, axis=1)
+    loss = -pt.mean(logp[pt.arange(y.shape[0]), y])
+    gw, gb = pytensor.grad(loss, [w, b])
+    return [x, y], loss, [(w, w - 0.5 * gw), (b, b - 0.5 * gb)], (w, b)
+
+
+def data(n_rows: int = 300) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(4)
+    return rng.standard_normal((n_rows, 4)), rng.integers(0, 3, n_rows).astype("int32")
+
+
+@needs_jax
+def test_jax_backend_computes_as_plain_pytensor(default_backend_choice):
+    """Each rank compiles in JAX mode; the output and the averaged updates of shared variables
+    equal plain PyTensor's (default mode) on the whole batch (even halves: the mean of the
+    halves' losses and gradients is the whole batch's)."""
+    xd, yd = data()
+    ref_inputs, ref_loss, ref_updates, (ref_w, ref_b) = regression_step()
+    reference = pytensor.function(ref_inputs, ref_loss, updates=ref_updates, mode="FAST_RUN")
+    expected = float(reference(xd, yd))
+
+    inputs, loss, updates, (w, b) = regression_step()  # the same start, other shared variables
+    synk.fork(2, use_gpu=False)
+    f = synk.function(inputs, outputs=(loss, "avg"), updates=updates)
+    got = float(f(synk.data(xd), synk.data(yd)))
+    assert current().device.backend == "jax"
+    assert f._replica.full().mode == "JAX"  # the master's share ran in JAX mode
+    for pid in worker_pids():
+        assert worker_environ(pid)[cpu.BACKEND_ENV] == "jax"
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    synk.all_reduce([w, b], op="avg")
+    for var, ref in ((w, ref_w), (b, ref_b)):
+        value = var.get_value()
+        assert isinstance(value, np.ndarray) and value.dtype == np.float64
+        np.testing.assert_allclose(value, ref.get_value(), rtol=1e-12, atol=1e-15)
+        np.testing.assert_array_equal(synk.get_value(1, var), value)
+
+
+@needs_jax
+def test_an_op_without_jax_falls_back_to_the_default_mode_and_still_matches(default_backend_choice, caplog):
+    xd = np.arange(24.0).reshape(8, 3)
+    x = pt.matrix("x")
+    s = pytensor.shared(np.ones(3), name="s")
+    out = TwiceInPython()(x).sum(axis=0)
+    synk.fork(2, use_gpu=False)
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        f = synk.function([x], outputs=(out, "sum"), updates=[(s, s + TwiceInPython()(x).sum())], name="twice")
+        got = f(synk.data(xd))
+    np.testing.assert_allclose(got, 2 * xd.sum(axis=0))
+    assert f._replica.full().mode == "default"
+    assert any("twice" in r.getMessage() and "default mode" in r.getMessage() for r in caplog.records)
+    halves = np.array_split(xd, 2)
+    for r in range(2):
+        np.testing.assert_allclose(synk.get_value(r, s), 1 + 2 * halves[r].sum())
+
+
+def test_jax_or_default_recompiles_when_a_jax_call_fails_and_reruns_the_call():
+    """A function that JAX compiles but cannot run (here: raises on its first call) falls back
+    once; later calls use the default-mode function."""
+    built = []
+
+    def compile_fn(mode):
+        built.append(mode)
+        if mode == "JAX":
+            def broken(*args):
+                raise TypeError("JAX cannot trace this")
+            broken.maker = None  # type: ignore[attr-defined]
+            return _Fn(broken)
+        return _Fn(lambda a: a + 1)
+
+    wrapped = cpu.JaxOrDefault.__new__(cpu.JaxOrDefault)
+    wrapped._compile_fn, wrapped._name, wrapped._trust_input, wrapped.mode = compile_fn, "f", True, "JAX"
+    wrapped.fn = compile_fn("JAX")
+    assert wrapped(1) == 2 and wrapped(5) == 6
+    assert built == ["JAX", None] and wrapped.mode == "default" and wrapped.fn.trust_input is True
+
+
+class _Fn:
+    def __init__(self, call):
+        self.call, self.trust_input = call, False
+
+    def __call__(self, *args):
+        return self.call(*args)
+
+
+@needs_two_cores
+def test_ranks_run_on_disjoint_cores_with_their_thread_pools_sized_to_them(default_backend_choice, monkeypatch):
+    for var in cores.THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    before = os.sched_getaffinity(0)
+    available = cores.available()
+    synk.fork(2, use_gpu=False)
+    sets = cores.split(available, 2)
+    assert os.sched_getaffinity(0) == set(sets[0])  # the master: rank 0's set
+    (pid,) = worker_pids()
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    assert len(tids) > 1  # its interpreter's threads, the master watch, any pools
+    for tid in tids:
+        assert os.sched_getaffinity(tid) == set(sets[1]), tid
+    env = worker_environ(pid)
+    assert env["SYNK_CORES"] == ",".join(map(str, sets[1]))
+    for var in cores.THREAD_VARS:
+        assert env[var] == str(len(sets[1])), var
+    assert not set(sets[0]) & set(sets[1])
+    xd = np.arange(12.0).reshape(6, 2)
+    x = pt.matrix("x")
+    np.testing.assert_allclose(synk.function([x], outputs=(x.sum(), "sum"))(synk.data(xd)), xd.sum())
+    synk.close()
+    assert os.sched_getaffinity(0) == before  # the master's cores back
+
+
+@needs_two_cores
+def test_pinning_can_be_turned_off(default_backend_choice, monkeypatch):
+    monkeypatch.setenv(cpu.PIN_ENV, "0")
+    before = os.sched_getaffinity(0)
+    synk.fork(2, use_gpu=False)
+    assert os.sched_getaffinity(0) == before
+    (pid,) = worker_pids()
+    assert os.sched_getaffinity(pid) == before and "SYNK_CORES" not in worker_environ(pid)
+
+
+def test_the_default_rank_rule(monkeypatch):
+    monkeypatch.delenv(cpu.RANKS_ENV, raising=False)
+    assert [cpu.default_ranks(c) for c in (1, 2, 3, 4, 5, 8, 16, 32, 64)] == [1, 2, 3, 4, 4, 4, 4, 8, 16]
+    monkeypatch.setenv(cpu.RANKS_ENV, "3")
+    assert cpu.default_ranks(16) == 3
+    monkeypatch.setenv(cpu.RANKS_ENV, "zero")
+    with pytest.raises(ValueError, match=cpu.RANKS_ENV):
+        cpu.default_ranks(16)
+
+
+def test_fork_without_n_parallel_follows_synk_cpu_ranks(default_backend_choice, monkeypatch):
+    monkeypatch.setenv(cpu.RANKS_ENV, "3")
+    assert synk.fork(use_gpu=False) == 3
+    assert len(worker_pids()) == 2
+
+
+def test_split_gives_disjoint_even_runs():
+    assert cores.split([0, 1, 2, 3, 4, 5, 6], 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert cores.split([4, 9], 2) == [[4], [9]]
+    with pytest.raises(ValueError, match="at most 2 ranks"):
+        cores.split([0, 1], 3)
+
+
+def test_without_jax_the_ranks_use_pytensors_default_mode(default_backend_choice, monkeypatch):
+    """JAX not importable (simulated in the master, which decides for every rank): PyTensor's
+    default mode everywhere, same results."""
+    monkeypatch.setattr(cpu, "jax_importable", lambda: False)
+    assert cpu.choose_backend() == "pytensor"
+    xd, yd = data(40)
+    inputs, loss, _, _ = regression_step()
+    synk.fork(2, use_gpu=False)
+    assert current().device.backend == "pytensor"
+    (pid,) = worker_pids()
+    assert worker_environ(pid)[cpu.BACKEND_ENV] == "pytensor"
+    f = synk.function(inputs, outputs=(loss, "avg"))
+    assert not isinstance(f._replica.full(), cpu.JaxOrDefault)
+    reference = pytensor.function(inputs, loss, mode="FAST_RUN")
+    np.testing.assert_allclose(f(synk.data(xd), synk.data(yd)), reference(xd, yd), rtol=1e-12)
+
+
+def test_the_users_mode_wins(default_backend_choice, monkeypatch):
+    monkeypatch.setenv("PYTENSOR_FLAGS", os.environ["PYTENSOR_FLAGS"] + ",mode=FAST_COMPILE")
+    assert cpu.user_mode() == "FAST_COMPILE" and cpu.choose_backend() == "pytensor"
+    monkeypatch.setenv("PYTENSOR_FLAGS", "")
+    if cpu.jax_importable():
+        assert cpu.choose_backend() == "jax"
+        synk.fork(2, use_gpu=False)
+        x = pt.matrix("x")
+        f = synk.function([x], outputs=(x.sum(), "sum"), mode="FAST_RUN")  # a function's own mode
+        assert not isinstance(f._replica.full(), cpu.JaxOrDefault)
+        np.testing.assert_allclose(f(synk.data(np.ones((4, 2)))), 8.0)
+
+
+def test_a_bad_backend_name_is_an_error_that_says_what_to_use(monkeypatch):
+    monkeypatch.setenv(cpu.BACKEND_ENV, "numba")
+    with pytest.raises(ValueError, match="'jax' or 'pytensor'"):
+        cpu.choose_backend()
