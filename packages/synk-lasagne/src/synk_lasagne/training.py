@@ -213,7 +213,7 @@ def in_graph_all_reduce_pays() -> bool:
     from synkhronos.runtime import current
 
     rt = current()
-    return rt is None or rt.size == 1 or rt.engine is not None or not rt.device.nccl_capable
+    return rt is None or rt.size == 1 or rt.engine is not None or not rt.device.computes_in_jax
 
 
 def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any], rule: Rule = _updates.sgd, *,
