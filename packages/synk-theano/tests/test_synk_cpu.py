@@ -92,6 +92,33 @@ def test_jax_backend_computes_as_plain_pytensor(default_backend_choice):
 
 
 @needs_jax
+def test_a_graph_with_in_graph_collectives_compiles_in_the_default_mode(default_backend_choice):
+    """In-graph collectives run through ``perform`` (the shared-memory collectives, called directly),
+    never as JAX host callbacks on a pinned rank's one XLA thread; the step equals plain PyTensor's
+    full-batch step (the all-reduced avg gradient), 300 calls without a stall."""
+    from synkhronos import ops
+
+    xd, yd = data()
+    ref_inputs, ref_loss, _, (ref_w, ref_b) = regression_step()
+    ref_grads = pytensor.grad(ref_loss, [ref_w, ref_b])
+    reference = pytensor.function(ref_inputs, ref_loss,
+                                  updates=[(v, v - 0.5 * g) for v, g in zip((ref_w, ref_b), ref_grads)])
+    inputs, loss, _, (w, b) = regression_step()
+    grads = [ops.all_reduce(g, "avg") for g in pytensor.grad(loss, [w, b])]
+    synk.fork(2, use_gpu=False)
+    f = synk.function(inputs, outputs=(loss, "avg"), updates=[(v, v - 0.5 * g) for v, g in zip((w, b), grads)])
+    x_data, y_data = synk.data(xd), synk.data(yd)
+    for _ in range(300):
+        got = float(f(x_data, y_data))
+        expected = float(reference(xd, yd))
+    assert current().device.backend == "jax" and getattr(f._replica.full(), "mode", None) != "JAX"
+    np.testing.assert_allclose(got, expected, rtol=1e-9)
+    for var, ref in ((w, ref_w), (b, ref_b)):
+        np.testing.assert_allclose(var.get_value(), ref.get_value(), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(synk.get_value(1, var), ref.get_value(), rtol=1e-9, atol=1e-12)
+
+
+@needs_jax
 def test_an_op_without_jax_falls_back_to_the_default_mode_and_still_matches(default_backend_choice, caplog):
     xd = np.arange(24.0).reshape(8, 3)
     x = pt.matrix("x")

@@ -40,8 +40,10 @@ class Device:
         """The keyword arguments for ``pytensor.function`` in this mode."""
         raise NotImplementedError
 
-    def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None) -> Any:
-        """``build(**kwargs)``: the compiled function (``kwargs`` from :meth:`compile_kwargs`)."""
+    def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None,
+                collectives: bool = False) -> Any:
+        """``build(**kwargs)``: the compiled function (``kwargs`` from :meth:`compile_kwargs`);
+        ``collectives``: the graph holds in-graph collectives (:mod:`synkhronos.ops`)."""
         return build(**kwargs)
 
     def get(self, var: SharedVariable) -> np.ndarray:
@@ -112,10 +114,17 @@ class CpuDevice(Device):
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return dict(kwargs)
 
-    def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None) -> Any:
+    def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None,
+                collectives: bool = False) -> Any:
         """JAX mode with a per-function fallback (backend ``"jax"``, no ``mode`` given), else
-        ``build(**kwargs)``."""
-        if self.backend != "jax" or kwargs.get("mode") is not None:
+        ``build(**kwargs)``.
+
+        A graph with in-graph collectives takes PyTensor's default mode: their ``perform`` calls
+        the shared-memory collectives directly, where under JAX they would run in host callbacks
+        on XLA's threads -- and a rank pinned to one core has one such thread, which a callback
+        reading its own arguments can wait on forever (seen: the main job's train step hung after
+        about 30 epochs)."""
+        if self.backend != "jax" or kwargs.get("mode") is not None or collectives:
             return build(**kwargs)
         from synkhronos.cpu import JaxOrDefault
 

@@ -145,7 +145,7 @@ class Replica:
                                      **kwargs)
 
         t0 = time.perf_counter()
-        fn = self.device.compile(build, self._kwargs(subset), self.spec.name)
+        fn = self.device.compile(build, self._kwargs(subset), self.spec.name, collectives=self.has_collectives)
         self.compile_seconds += time.perf_counter() - t0
         fn.trust_input = True  # inputs are checked in the master (dtype, ndim) before any call
         return fn
