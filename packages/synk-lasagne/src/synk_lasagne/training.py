@@ -201,10 +201,15 @@ class TrainFunction:
 
 def in_graph_all_reduce_pays() -> bool:
     """Whether a training step runs as :attr:`TrainFunction.function` (the in-graph all-reduce)
-    rather than :attr:`TrainFunction.chain`: everywhere but on 2+ real GPUs.
+    rather than :attr:`TrainFunction.chain`: with one rank, under the JAX engine, and in CPU mode
+    with PyTensor's default backend; not where ranks compute in JAX per rank (GPU mode's per-rank
+    engine, CPU mode's JAX backend).
 
-    In CPU mode (and with one rank) the in-graph all-reduce takes the same shared-memory path as
-    the chain's, and one function saves a call and a barrier (``benchmarks/RESULTS.md``).  On GPUs,
+    With PyTensor's default backend the in-graph all-reduce takes the same shared-memory path as
+    the chain's, and one function saves a call and a barrier (``benchmarks/RESULTS.md``).  CPU
+    mode's JAX backend compiles a graph with in-graph collectives in the default mode (see
+    :meth:`synkhronos.device.CpuDevice.compile`), which would cost the step JAX's speed: the chain
+    keeps both of its functions in JAX.  On GPUs,
     PyTensor's per-rank JAX programs run it as a host callback -- the gradient through host memory
     -- while the chain all-reduces GPU to GPU through NCCL, queued behind the gradient: the chain
     unless the JAX engine runs (``synk.fork(engine="jax")``): a function is then one program over the
