@@ -111,8 +111,12 @@ class TrainFunction:
     """
 
     def __init__(self, function: Any, rule: RuleUpdates, params: list[Any], output_names: list[str],
-                 inputs: list[Any], sliceable_shareds: list[Any], build_sliced: Callable[[], tuple[Any, Any]]) -> None:
+                 inputs: list[Any], sliceable_shareds: list[Any], build_sliced: Callable[[], tuple[Any, Any]],
+                 own_mode: bool = False) -> None:
         self.function = function
+        self.own_mode = own_mode
+        """Whether the functions compile in a PyTensor mode given by ``function_kwargs`` (see
+        :func:`in_graph_all_reduce_pays`)."""
         self.rule = rule
         self.params = params
         kept = set(params)
@@ -188,7 +192,7 @@ class TrainFunction:
         """
         if _empty(batch):
             raise ValueError("the batch is empty: a training step needs at least one row")
-        step = self.function if num_slices == 1 and in_graph_all_reduce_pays() else self.chain
+        step = self.function if num_slices == 1 and in_graph_all_reduce_pays(self.own_mode) else self.chain
         try:
             out = step(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
         except NotOneProgramError:  # the JAX engine, uneven shares: refused before any rank acted
@@ -199,11 +203,12 @@ class TrainFunction:
         return f"<synk_lasagne.TrainFunction of {len(self.params)} params, outputs {self.output_names}>"
 
 
-def in_graph_all_reduce_pays() -> bool:
+def in_graph_all_reduce_pays(own_mode: bool = False) -> bool:
     """Whether a training step runs as :attr:`TrainFunction.function` (the in-graph all-reduce)
-    rather than :attr:`TrainFunction.chain`: with one rank, under the JAX engine, and in CPU mode
-    with PyTensor's default backend; not where ranks compute in JAX per rank (GPU mode's per-rank
-    engine, CPU mode's JAX backend).
+    rather than :attr:`TrainFunction.chain`: with one rank, under the JAX engine, in CPU mode with
+    PyTensor's default backend or a mode of the function's own (``own_mode``), and in GPU mode
+    emulated on JAX's CPU backend; not on real GPUs of the per-rank engine, nor in CPU mode's JAX
+    backend.
 
     With PyTensor's default backend the in-graph all-reduce takes the same shared-memory path as
     the chain's, and one function saves a call and a barrier (``benchmarks/RESULTS.md``).  CPU
@@ -218,7 +223,11 @@ def in_graph_all_reduce_pays() -> bool:
     from synkhronos.runtime import current
 
     rt = current()
-    return rt is None or rt.size == 1 or rt.engine is not None or not rt.device.computes_in_jax
+    if rt is None or rt.size == 1 or rt.engine is not None:
+        return True
+    if rt.device.use_gpu:
+        return not rt.device.nccl_capable
+    return own_mode or not rt.device.computes_in_jax
 
 
 def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any], rule: Rule = _updates.sgd, *,
@@ -312,7 +321,8 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         grad_fn = synk.function(inputs, outputs=outs, updates=[*result.grad_updates, *state], **common)
         return grad_fn, synk.function([], updates=list(result.param_updates.items()), **fkw)
 
-    return TrainFunction(function, result, params, ["loss", *names], inputs, sliceable, build_sliced)
+    return TrainFunction(function, result, params, ["loss", *names], inputs, sliceable, build_sliced,
+                         own_mode=fkw.get("mode") is not None)
 
 
 class EvalFunction:
