@@ -167,7 +167,8 @@ def test_cnn_job_learns_on_the_digits(tmp_path, pattern):
     pytest.importorskip("sklearn")
     png = tmp_path / "plot.png"
     result, pid = run_script([SCRIPT, "--model", "cnn", "--filters", "16", "--hidden", "64", "--epochs", "3",
-                              "--learning-rate", "0.003", "--n-parallel", "2", "--cpu", "--no-baseline",
+                              "--learning-rate", "0.003", "--batch-size", "128", "--n-parallel", "2", "--cpu",
+                              "--no-baseline",
                               "--no-progress", "--pattern", pattern, "--plot", str(png), "--mode", "FAST_COMPILE",
                               "--min-accuracy", "0"], cwd=str(tmp_path), env={mnist.ENV_VAR: ""})
     assert "model: CNN 2x(conv 3x3 x16, max-pool 2)" in result.stdout, result.stdout + result.stderr
@@ -185,7 +186,8 @@ def test_cnn_job_in_gpu_mode_on_jax_cpu(tmp_path):
     pytest.importorskip("jax")
     png = tmp_path / "plot.png"
     result, pid = run_script([SCRIPT, "--model", "cnn", "--filters", "16", "--hidden", "64", "--epochs", "3",
-                              "--learning-rate", "0.003", "--n-parallel", "2", "--no-baseline", "--no-progress",
+                              "--learning-rate", "0.003", "--batch-size", "128", "--n-parallel", "2", "--no-baseline",
+                              "--no-progress",
                               "--pattern", "scatter", "--plot", str(png), "--min-accuracy", "0"],
                              cwd=str(tmp_path), env={mnist.ENV_VAR: "", "SYNK_EMULATE_GPUS": "2"})
     assert "== data-parallel: 2 rank(s), GPUs" in result.stdout, result.stdout + result.stderr
