@@ -24,6 +24,7 @@ from synk_shm import Data
 from synkhronos import calls, data_registry
 from synkhronos import outputs as outputs_path
 from synkhronos.engine import master as engine_master
+from synkhronos.engine.phases import PHASES
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, describe, get_runtime
@@ -129,6 +130,8 @@ class Function:
             function without sliceable shareds; ``num_slices`` < 1, nothing to slice, or > 1 with
             in-graph collectives.
         """
+        if PHASES is not None:
+            PHASES.begin()
         rt = get_runtime()
         subset = self._subset(output_subset)
         plan = self._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices)

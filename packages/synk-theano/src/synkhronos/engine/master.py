@@ -24,6 +24,7 @@ import numpy as np
 from synkhronos import calls
 from synkhronos.engine import CALL, PROGRAM, VALUE, NotOneProgramError
 from synkhronos.engine.launch import ABORT_GRACE_S
+from synkhronos.engine.phases import PHASES
 from synkhronos.engine.program import STACKED, _output_form, fit_reason, per_rank_reason
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
@@ -53,6 +54,9 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
         A ValueError: the call cannot run as one program and the function's graph holds in-graph collectives
         (Ops marked ``synk_collective = True``), which only mean something inside the program.
     """
+    ph = PHASES
+    if ph is not None:
+        ph.mark("prepare")
     spec = rep.spec
     reason = per_rank_reason(rep, plan)
     if reason is not None and rep.has_collectives:
@@ -67,6 +71,8 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
         rt.group.abort_grace_s = ABORT_GRACE_S if reason is None else None
         if reason is not None and calls.needs_selection_barrier(spec, plan):
             rt.group.barrier()  # the workers check their sliceable rows, then meet (calls.execute)
+    if ph is not None:
+        ph.mark("command")
     replies = rt.group.replies()
     shares = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
     ops = rep.output_ops(plan.subset)
@@ -74,9 +80,12 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
                               if int(shares[0][0]) == PROGRAM else [float(s[1]) for s in shares])
     if int(shares[0][0]) == PROGRAM:
         dtypes = [np.dtype(v.type.dtype) for v in rep.output_variables(plan.subset)]
-        return [combine(op, list(value), [1.0] * rt.size, what=f"output {i}")
-                if _output_form(op, dtype) == STACKED else value
-                for i, (op, dtype, value) in enumerate(zip(ops, dtypes, shares[0][2:]))]
+        results = [combine(op, list(value), [1.0] * rt.size, what=f"output {i}")
+                   if _output_form(op, dtype) == STACKED else value
+                   for i, (op, dtype, value) in enumerate(zip(ops, dtypes, shares[0][2:]))]
+        if ph is not None:
+            ph.mark("results")
+        return results
     _log_per_rank(rt, rep, reason)
     weights = [float(s[1]) for s in shares]
     return [combine(op, [s[2 + i] if len(s) > 2 else np.empty(0) for s in shares], weights, what=f"output {i}")

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from synkhronos.calls import NONE, CallPlan
+from synkhronos.engine.phases import PHASES
 from synkhronos.replica import Replica
 
 if TYPE_CHECKING:
@@ -229,16 +230,22 @@ class Program:
         first row of the sliceable variables.  Stores the updated values; returns the outputs (global
         arrays, replicated; not waited for)."""
         jax = device.jax
-        dev = device.device
-        args = [jax.make_array_from_single_device_arrays((self.size * x.shape[0], *x.shape[1:]), self.rows,
-                                                         [jax.device_put(x, dev)]) for x in scattered]
-        args += [jax.make_array_from_single_device_arrays(np.shape(b), self.replicated, [jax.device_put(b, dev)])
-                 for b in bcast]
+        host = [*scattered, *(np.asarray(b) for b in bcast)]
+        if self.sliceable:
+            host.append(np.array([start], dtype=np.int32))
+        local = device.put(host)  # this rank's blocks, then the broadcast values, then its start
+        if PHASES is not None:
+            PHASES.mark("put")
+        n = len(scattered)
+        glob = jax.make_array_from_single_device_arrays
+        args = [glob((self.size * x.shape[0], *x.shape[1:]), self.rows, [x]) for x in local[:n]]
+        args += [glob(x.shape, self.replicated, [x]) for x in local[n:n + len(bcast)]]
         if self.sliceable:
             args += [device.global_value(var, self.replicated) for var in self.sliceable]
-            first = jax.device_put(np.array([start], dtype=np.int32), dev)
-            args += [jax.make_array_from_single_device_arrays((self.size,), self.rows, [first])] * len(self.sliceable)
+            args += [glob((self.size,), self.rows, [local[-1]])] * len(self.sliceable)
         args += [device.global_value(var, self.replicated) for var in self.shared]
+        if PHASES is not None:
+            PHASES.mark("operands")
         outs = self.jitted(*args)
         self._last = outs
         for var, new in zip(self.updated, outs[self.n_out:]):

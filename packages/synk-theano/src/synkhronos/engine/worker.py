@@ -18,24 +18,40 @@ import this module through :mod:`synkhronos.worker`):
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import numpy as np
 
 from synk_comm import Group, handler
 from synkhronos import calls
-from synkhronos.engine import CALL, JOIN, PER_RANK, PROGRAM, VALUE, launch
+from synkhronos.engine import CALL, JOIN, PER_RANK, PROGRAM, VALUE, launch, phases
 from synkhronos.engine.device import EngineDevice
+from synkhronos.engine.phases import PHASES
 from synkhronos.engine.program import AXIS, Program, fit_reason, per_rank_reason, shapes_of, window
 from synkhronos.runtime import Runtime, current, set_current
 
-__all__ = ["Ranks"]
+__all__ = ["PIN_ENV", "Ranks", "pins_inputs"]
+
+log = logging.getLogger("synkhronos")
+
+PIN_ENV = "SYNK_PIN_INPUTS"
+"""``0``: never register the inputs' memory with the device; ``1``: always try (and fall back,
+logged, where it fails: JAX's CPU device); unset: on GPUs."""
+
+
+def pins_inputs(on_gpu: bool) -> bool:
+    """Whether the workers register the memory of their inputs with the device (:meth:`Ranks.pin`)."""
+    value = os.environ.get(PIN_ENV, "").strip()
+    return on_gpu if value == "" else value != "0"
 
 
 class Ranks:
-    """A worker's engine state: the mesh of every rank's device and the compiled programs."""
+    """A worker's engine state: the mesh of every rank's device, the compiled programs, and the
+    Data whose memory is registered with the device (:meth:`pin`)."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, pin: bool = False) -> None:
         import jax
         from jax.sharding import Mesh
 
@@ -43,6 +59,45 @@ class Ranks:
         self.mesh = Mesh(np.array(devices), (AXIS,))
         self.device = device
         self.programs: dict[tuple[int, tuple[int, ...] | None, int], Program | None] = {}
+        self.pinning = pin
+        """Whether :meth:`pin` registers memory (off where the device cannot, after the first failure)."""
+        self.pinned: dict[int, int] = {}
+        """Data id -> the address of its memory, registered with the device."""
+
+    def pin(self, rt: Runtime, data_ids: list[int]) -> None:
+        """Register the memory of the call's Data with the device once (``dma_map`` of JAX's client,
+        CUDA's ``cudaHostRegister``): the device then reads a call's rows from shared memory by DMA
+        at the link's full speed, where pageable memory goes through a staging copy in host memory
+        first.  Where registration is impossible (JAX's CPU device, a driver that refuses), it is
+        logged once and the rows go the pageable way (:data:`PIN_ENV` switches it)."""
+        if not self.pinning:
+            return
+        for did in data_ids:
+            if did in self.pinned:
+                continue
+            values = rt.data[did].data
+            if values is None or not values.nbytes:
+                continue
+            address = int(values.__array_interface__["data"][0])
+            nbytes = rt.data[did].alloc_size * values.itemsize
+            try:
+                self.device.client.dma_map(address, nbytes)
+            except Exception as exc:  # any refusal means: the pageable way
+                self.pinning = False
+                log.info("synkhronos: inputs are not registered with the device (%s: %s); they reach it "
+                         "through pageable memory", type(exc).__name__, exc)
+                return
+            self.pinned[did] = address
+
+    def unpin(self, did: int) -> None:
+        """Before Data ``did``'s memory changes or goes (:mod:`synkhronos.data_registry`): undo its
+        registration (a registration outliving its mapping would let the device read stale pages)."""
+        address = self.pinned.pop(did, None)
+        if address is not None:
+            try:
+                self.device.client.dma_unmap(address)
+            except Exception as exc:  # the mapping is gone either way
+                log.debug("synkhronos: dma_unmap of Data %d failed: %s", did, exc)
 
     def program(self, rt: Runtime, fid: int, subset: tuple[int, ...] | None, count: int) -> Program | None:
         """The function's program for ``subset`` (made on first use; ``count``: rows of its
@@ -69,7 +124,8 @@ def _join(group: Group, payload: tuple[str, bool]) -> None:
     coordinator, on_gpu = payload
     size = group.size - 1
     device = launch.join(coordinator, size, group.rank - 1, on_gpu)
-    rt = Runtime(group, EngineDevice(device), engine=Ranks(device))
+    phases.start(f"rank{group.rank - 1}")
+    rt = Runtime(group, EngineDevice(device), engine=Ranks(device, pin=pins_inputs(on_gpu)))
     set_current(rt)
 
 
@@ -77,6 +133,9 @@ def _join(group: Group, payload: tuple[str, bool]) -> None:
 def _call(group: Group, _payload: None) -> None:
     if group.is_master:
         return
+    ph = PHASES
+    if ph is not None:
+        ph.begin()
     rt = _runtime(group)
     plan = calls.decode(group.scratch, rt.size)
     rep = rt.replicas[plan.fid]
@@ -92,18 +151,34 @@ def _call(group: Group, _payload: None) -> None:
         weight, outputs = calls.execute(rt, plan)
         group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
         return
+    if ph is not None:
+        ph.mark("plan")
     scattered, bcast = calls.rank_inputs(rt, plan)
+    rt.engine.pin(rt, plan.data_ids)
+    if ph is not None:
+        ph.mark("rows")
     outputs = program(rt.device, scattered, bcast, found[0][rt.rank] if found else 0)
+    if ph is not None:
+        ph.mark("dispatch")
+    if rt.rank == 0:  # the outputs start their way to the host as soon as the program ends
+        local = [o.addressable_data(0) for o in outputs]
+        for o in local:
+            o.copy_to_host_async()
+        values = [np.asarray(o) for o in local]
+        if ph is not None:
+            ph.mark("outputs")
     # Every rank waits for its program: a failure inside it (an error, or a peer gone from a
     # collective) then surfaces in this call, as the rank's exception.
     program.wait()
+    if ph is not None:
+        ph.mark("wait")
     if rt.rank == 0:
         rows = found[1] if found else int(plan.positions[0][1] - plan.positions[0][0]) if rep.spec.inputs else 1
-        group.reply([np.array(PROGRAM), np.array(float(rows * rt.size)),
-                     *(np.asarray(o.addressable_data(0)) for o in outputs)])
+        group.reply([np.array(PROGRAM), np.array(float(rows * rt.size)), *values])
     else:
         group.reply([np.array(PROGRAM)])
-
+    if ph is not None:
+        ph.mark("reply")
 
 
 @handler(VALUE)
