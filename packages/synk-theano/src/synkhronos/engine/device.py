@@ -87,11 +87,12 @@ class EngineDevice(GpuDevice):
         self._global[var] = (local, glob)
         return glob
 
-    def store(self, var: SharedVariable, glob: Any) -> None:
-        """Keep an updated value that the program returned (its global form)."""
+    def store(self, var: SharedVariable, glob: Any) -> Any:
+        """Keep an updated value that the program returned (its global form); returns the local value."""
         local = glob.addressable_data(0)
         var.container.storage[0] = local
         self._global[var] = (local, glob)
+        return local
 
 
 class HostDevice(CpuDevice):

@@ -32,6 +32,7 @@ program and combined by :func:`synkhronos.reduce_ops.combine` in the master.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -223,6 +224,11 @@ class Program:
         self.replicated = NamedSharding(mesh, P())
         self.size = int(mesh.devices.size)
         self._last: Any = ()
+        # The shared variables' operands of the last call and the local values they stand for: the
+        # next call reuses them while every variable still holds that value (no per-variable lookup).
+        self._operands: list[Any] = []
+        self._values: list[Any] = []
+        self._position = {i: self.shared.index(v) for i, v in enumerate(self.updated) if v in self.shared}
 
     def __call__(self, device: EngineDevice, scattered: list[np.ndarray], bcast: list[Any],
                  start: int = 0) -> list[Any]:
@@ -243,13 +249,20 @@ class Program:
         if self.sliceable:
             args += [device.global_value(var, self.replicated) for var in self.sliceable]
             args += [glob((self.size,), self.rows, [local[-1]])] * len(self.sliceable)
-        args += [device.global_value(var, self.replicated) for var in self.shared]
+        values = [var.container.storage[0] for var in self.shared]
+        if len(values) != len(self._values) or any(map(operator.is_not, values, self._values)):
+            self._operands = [device.global_value(var, self.replicated) for var in self.shared]
+            self._values = [var.container.storage[0] for var in self.shared]
+        args += self._operands
         if PHASES is not None:
             PHASES.mark("operands")
         outs = self.jitted(*args)
         self._last = outs
-        for var, new in zip(self.updated, outs[self.n_out:]):
-            device.store(var, new)
+        for i, (var, new) in enumerate(zip(self.updated, outs[self.n_out:])):
+            local = device.store(var, new)
+            j = self._position.get(i)
+            if j is not None:
+                self._operands[j], self._values[j] = new, local
         return list(outs[:self.n_out])
 
     def wait(self) -> None:
