@@ -29,15 +29,6 @@ if TYPE_CHECKING:
 __all__ = ["EngineDevice", "HostDevice"]
 
 
-SMALL_BYTES = 1 << 20
-"""Host inputs of a call smaller than this in all go to the device through a jitted identity
-(:meth:`EngineDevice.put`)."""
-
-
-def _identity(*xs: Any) -> tuple[Any, ...]:
-    return xs
-
-
 class EngineDevice(GpuDevice):
     """A worker of the engine: values as ``jax.Array`` on this rank's device (GPU or JAX CPU)."""
 
@@ -51,26 +42,12 @@ class EngineDevice(GpuDevice):
         self.device = device
         self._global: dict[Any, tuple[Any, Any]] = {}  # var -> (local value, its global form)
         self._local = jax.sharding.SingleDeviceSharding(device)
-        self._put_small: dict[int, Any] = {}  # argument count -> the jitted identity
 
     def put(self, arrays: list[np.ndarray]) -> list[Any]:
-        """Host arrays onto this rank's device, all in one dispatch (not waited for).
-
-        Small ones (together under :data:`SMALL_BYTES`) go as the arguments of a jitted identity
-        whose inputs are donated (its outputs are the transferred buffers, no device copy): JAX's
-        C++ dispatch moves them, several times cheaper than ``jax.device_put``'s Python path.  Large
-        ones through ``jax.device_put`` (from memory that :meth:`Ranks.pin
-        <synkhronos.engine.worker.Ranks.pin>` registered with the device, a DMA at full speed).
-        """
-        if not arrays:
-            return []
-        if sum(a.nbytes for a in arrays) < SMALL_BYTES:
-            put = self._put_small.get(len(arrays))
-            if put is None:
-                put = self._put_small[len(arrays)] = self.jax.jit(
-                    _identity, out_shardings=self._local, donate_argnums=tuple(range(len(arrays))))
-            return list(put(*arrays))
-        return list(self.jax.device_put(arrays, self._local))
+        """Host arrays onto this rank's device, in one ``jax.device_put`` (not waited for; from
+        memory that :meth:`Ranks.pin <synkhronos.engine.worker.Ranks.pin>` registered with the
+        device, a DMA at the link's full speed)."""
+        return list(self.jax.device_put(arrays, self._local)) if arrays else []
 
     @property
     def nccl_capable(self) -> bool:  # type: ignore[override]

@@ -43,6 +43,19 @@ class Orchestrator:
         """Each compute rank's rows in the last call (0: the rank computed nothing)."""
         self.logged: set[tuple[int, str]] = set()
         """(function id, reason) of the per-rank runs logged already."""
+        self.outputs: dict[tuple[int, tuple[int, ...] | None], tuple[list[str], list[bool]]] = {}
+        """(function id, output subset) -> each output's op and whether it leaves the program stacked
+        (the master combines it)."""
+
+    def outputs_of(self, rep: Replica, subset: tuple[int, ...] | None) -> tuple[list[str], list[bool]]:
+        """The ops of ``rep``'s outputs in ``subset`` and which leave the program stacked (cached)."""
+        key = (rep.spec.fid, subset)
+        found = self.outputs.get(key)
+        if found is None:
+            ops = rep.output_ops(subset)
+            dtypes = [np.dtype(v.type.dtype) for v in rep.output_variables(subset)]
+            found = self.outputs[key] = (ops, [_output_form(op, dt) == STACKED for op, dt in zip(ops, dtypes)])
+        return found
 
 
 def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
@@ -75,17 +88,15 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
         ph.mark("command")
     replies = rt.group.replies()
     shares = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
-    ops = rep.output_ops(plan.subset)
-    rt.engine.last_weights = ([float(shares[0][1]) / rt.size] * rt.size
-                              if int(shares[0][0]) == PROGRAM else [float(s[1]) for s in shares])
+    ops, stacked = rt.engine.outputs_of(rep, plan.subset)
     if int(shares[0][0]) == PROGRAM:
-        dtypes = [np.dtype(v.type.dtype) for v in rep.output_variables(plan.subset)]
-        results = [combine(op, list(value), [1.0] * rt.size, what=f"output {i}")
-                   if _output_form(op, dtype) == STACKED else value
-                   for i, (op, dtype, value) in enumerate(zip(ops, dtypes, shares[0][2:]))]
+        rt.engine.last_weights = [float(shares[0][1]) / rt.size] * rt.size
+        results = [combine(op, list(value), [1.0] * rt.size, what=f"output {i}") if stack else value
+                   for i, (op, stack, value) in enumerate(zip(ops, stacked, shares[0][2:]))]
         if ph is not None:
             ph.mark("results")
         return results
+    rt.engine.last_weights = [float(s[1]) for s in shares]
     _log_per_rank(rt, rep, reason)
     weights = [float(s[1]) for s in shares]
     return [combine(op, [s[2 + i] if len(s) > 2 else np.empty(0) for s in shares], weights, what=f"output {i}")

@@ -235,20 +235,18 @@ class Program:
         """Run this rank's part: ``scattered`` its rows, ``bcast`` the broadcast values, ``start`` its
         first row of the sliceable variables.  Stores the updated values; returns the outputs (global
         arrays, replicated; not waited for)."""
-        jax = device.jax
         host = [*scattered, *(np.asarray(b) for b in bcast)]
         if self.sliceable:
             host.append(np.array([start], dtype=np.int32))
-        local = device.put(host)  # this rank's blocks, then the broadcast values, then its start
+        if self.size == 1:  # the host arrays are the global operands: the program's own dispatch moves them
+            args = host[:len(host) - bool(self.sliceable)]
+            if self.sliceable:
+                args += [device.global_value(var, self.replicated) for var in self.sliceable]
+                args += [host[-1]] * len(self.sliceable)
+        else:
+            args = self._operands_of(device, host, len(scattered), len(bcast))
         if PHASES is not None:
             PHASES.mark("put")
-        n = len(scattered)
-        glob = jax.make_array_from_single_device_arrays
-        args = [glob((self.size * x.shape[0], *x.shape[1:]), self.rows, [x]) for x in local[:n]]
-        args += [glob(x.shape, self.replicated, [x]) for x in local[n:n + len(bcast)]]
-        if self.sliceable:
-            args += [device.global_value(var, self.replicated) for var in self.sliceable]
-            args += [glob((self.size,), self.rows, [local[-1]])] * len(self.sliceable)
         values = [var.container.storage[0] for var in self.shared]
         if len(values) != len(self._values) or any(map(operator.is_not, values, self._values)):
             self._operands = [device.global_value(var, self.replicated) for var in self.shared]
@@ -265,9 +263,25 @@ class Program:
                 self._operands[j], self._values[j] = new, local
         return list(outs[:self.n_out])
 
+    def _operands_of(self, device: EngineDevice, host: list[np.ndarray], n: int, n_bcast: int) -> list[Any]:
+        """Over several ranks: this rank's host arrays onto its device, each made the global operand
+        that it is a block of (the scattered rows, the broadcast values, the sliceable start)."""
+        local = device.put(host)
+        glob = device.jax.make_array_from_single_device_arrays
+        args = [glob((self.size * x.shape[0], *x.shape[1:]), self.rows, [x]) for x in local[:n]]
+        args += [glob(x.shape, self.replicated, [x]) for x in local[n:n + n_bcast]]
+        if self.sliceable:
+            args += [device.global_value(var, self.replicated) for var in self.sliceable]
+            args += [glob((self.size,), self.rows, [local[-1]])] * len(self.sliceable)
+        return args
+
     def wait(self) -> None:
         """Until the last run has finished (its outputs and updated values)."""
         import jax
 
         jax.block_until_ready(self._last)
+        self._last = ()
+
+    def forget(self) -> None:
+        """The last run has finished (the caller read an output of it): nothing to wait for."""
         self._last = ()

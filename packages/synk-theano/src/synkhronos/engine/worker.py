@@ -63,6 +63,19 @@ class Ranks:
         """Whether :meth:`pin` registers memory (off where the device cannot, after the first failure)."""
         self.pinned: dict[int, int] = {}
         """Data id -> the address of its memory, registered with the device."""
+        self.known: dict[bytes, tuple[calls.CallPlan, Any, Program, Any]] = {}
+        """A call's plan (its scratch slots, as bytes) -> what it decoded to: (plan, replica, program,
+        batch_s window), for plans that ran as one program and need no check between the ranks."""
+
+    def remember(self, key: bytes, known: tuple[calls.CallPlan, Any, Program, Any]) -> None:
+        """Keep what a call's plan decoded to (:attr:`known`): the next call of the same plan looks it up.
+        Not for functions with sliceable shared variables (each call compares their shapes between the
+        ranks, a collective the master takes part in)."""
+        if known[1].spec.sliceable:
+            return
+        if len(self.known) >= 256:
+            self.known.clear()
+        self.known[key] = known
 
     def pin(self, rt: Runtime, data_ids: list[int]) -> None:
         """Register the memory of the call's Data with the device once (``dma_map`` of JAX's client,
@@ -137,20 +150,27 @@ def _call(group: Group, _payload: None) -> None:
     if ph is not None:
         ph.begin()
     rt = _runtime(group)
-    plan = calls.decode(group.scratch, rt.size)
-    rep = rt.replicas[plan.fid]
-    reason = per_rank_reason(rep, plan)
-    if reason is None and rep.spec.sliceable:  # do the sliceable variables fit one program in every rank?
-        reason = fit_reason(group.host.all_gather(shapes_of(rep, rt.device))[1:], plan)
-    found = window(plan) if rep.spec.sliceable else None
-    program = None if reason else rt.engine.program(rt, plan.fid, plan.subset, found[1] if found else 0)
-    if program is None:
-        if rep.has_collectives:
-            raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only in one "
-                             f"program over the ranks, and this call cannot run as one: {reason}")
-        weight, outputs = calls.execute(rt, plan)
-        group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
-        return
+    scratch = group.scratch
+    key = scratch[:calls.CallPlan.length_of(scratch, rt.size)].tobytes()
+    known = rt.engine.known.get(key)
+    if known is not None:  # the same plan as an earlier call that ran as one program
+        plan, rep, program, found = known
+    else:
+        plan = calls.decode(scratch, rt.size)
+        rep = rt.replicas[plan.fid]
+        reason = per_rank_reason(rep, plan)
+        if reason is None and rep.spec.sliceable:  # do the sliceable variables fit one program in every rank?
+            reason = fit_reason(group.host.all_gather(shapes_of(rep, rt.device))[1:], plan)
+        found = window(plan) if rep.spec.sliceable else None
+        program = None if reason else rt.engine.program(rt, plan.fid, plan.subset, found[1] if found else 0)
+        if program is None:
+            if rep.has_collectives:
+                raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only "
+                                 f"in one program over the ranks, and this call cannot run as one: {reason}")
+            weight, outputs = calls.execute(rt, plan)
+            group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
+            return
+        rt.engine.remember(key, (plan, rep, program, found))
     if ph is not None:
         ph.mark("plan")
     scattered, bcast = calls.rank_inputs(rt, plan)
@@ -160,25 +180,31 @@ def _call(group: Group, _payload: None) -> None:
     outputs = program(rt.device, scattered, bcast, found[0][rt.rank] if found else 0)
     if ph is not None:
         ph.mark("dispatch")
-    if rt.rank == 0:  # the outputs start their way to the host as soon as the program ends
-        local = [o.addressable_data(0) for o in outputs]
+    if rt.rank == 0 and outputs:  # the outputs start their way to the host as soon as the program ends
+        local = outputs if rt.size == 1 else [o.addressable_data(0) for o in outputs]
         for o in local:
             o.copy_to_host_async()
         values = [np.asarray(o) for o in local]
+        program.forget()  # its updated values are ready too: one execution's outputs complete together
         if ph is not None:
             ph.mark("outputs")
-    # Every rank waits for its program: a failure inside it (an error, or a peer gone from a
-    # collective) then surfaces in this call, as the rank's exception.
-    program.wait()
-    if ph is not None:
-        ph.mark("wait")
+    else:
+        values = []
+        # Every rank waits for its program: a failure inside it (an error, or a peer gone from a
+        # collective) then surfaces in this call, as the rank's exception.
+        program.wait()
+        if ph is not None:
+            ph.mark("wait")
     if rt.rank == 0:
         rows = found[1] if found else int(plan.positions[0][1] - plan.positions[0][0]) if rep.spec.inputs else 1
-        group.reply([np.array(PROGRAM), np.array(float(rows * rt.size)), *values])
+        group.reply([_FORM, np.array(float(rows * rt.size)), *values])
     else:
-        group.reply([np.array(PROGRAM)])
+        group.reply([_FORM])
     if ph is not None:
         ph.mark("reply")
+
+
+_FORM = np.array(PROGRAM)
 
 
 @handler(VALUE)
