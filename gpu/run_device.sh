@@ -48,7 +48,7 @@ if [ "$what" = hot ]; then  # the engine's call path: its GPU tests, where a cal
     | tail -n 5 | tee "$OUT/engine_gpu_tests.log" || status=1
   PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 200 python3 benchmarks/profile_engine_call.py 2>&1 \
     | tee "$OUT/profile_engine_call.log" || status=1
-  timeout 150 python3 benchmarks/bench_engine.py --reps 1 --variants plain,plain_dev,engine 2>&1 \
+  timeout 240 python3 benchmarks/bench_engine.py --reps 2 --variants plain,plain_dev,engine 2>&1 \
     | tee "$OUT/bench_engine_short.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = lasagne ]; then  # layers and conv/pool Ops on the GPU (JAX), one rank
