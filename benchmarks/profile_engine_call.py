@@ -81,6 +81,22 @@ def micro(dry: bool) -> dict[str, float]:
 
     out["shard_map_to_host_async"] = us(async_host, n)
     out["jit_numpy_roundtrip"] = us(lambda: np.asarray(jf(a)), n)
+    from synk_shm import SharedArray
+
+    small = SharedArray.create(8, np.float32)
+    small.array[...] = 1
+    out["jit_shm_roundtrip"] = us(lambda: np.asarray(jf(small.array)), n)
+    try:
+        dev.client.dma_map(int(small.array.__array_interface__["data"][0]), small.capacity)
+        out["jit_shm_dma_mapped_roundtrip"] = us(lambda: np.asarray(jf(small.array)), n)
+        dev.client.dma_unmap(int(small.array.__array_interface__["data"][0]))
+    except Exception as exc:
+        print(f"dma_map: {type(exc).__name__}: {exc}", flush=True)
+    sm1 = jax.jit(_shard_map()(lambda x: jax.lax.psum(x.sum(), "ranks"), mesh=mesh, in_specs=(P("ranks"),),
+                               out_specs=P(), check_vma=False))
+    out["shard_map_numpy_roundtrip"] = us(lambda: np.asarray(sm1(a)), n)
+    small.close()
+    small.unlink()
     out["engine_like_roundtrip"] = us(lambda: np.asarray(sm(jax.make_array_from_single_device_arrays(
         (8,), rows, [ident(a)[0]])).addressable_data(0)), n)
     for mib in ([1] if dry else [32, 64]):

@@ -43,13 +43,12 @@ if [ "$what" = all ] || [ "$what" = engine ]; then  # the JAX engine: its GPU te
     | tee "$OUT/engine_gpu_tests.log" || status=1
   timeout 300 python3 benchmarks/bench_engine.py 2>&1 | tee "$OUT/bench_engine.log" || status=1
 fi
-if [ "$what" = hot ]; then  # the engine's call path: its GPU tests, where a call's time goes, a short bench
+if [ "$what" = hot ]; then  # the engine's call path: its GPU tests, the one-GPU table, where a call's time goes
   timeout 150 python3 -m pytest -p no:cacheprovider -q packages/synk-theano/tests/test_synk_engine_gpu.py 2>&1 \
     | tail -n 5 | tee "$OUT/engine_gpu_tests.log" || status=1
+  timeout 300 python3 benchmarks/bench_engine.py 2>&1 | tee "$OUT/bench_engine.log" || status=1
   PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 200 python3 benchmarks/profile_engine_call.py 2>&1 \
     | tee "$OUT/profile_engine_call.log" || status=1
-  timeout 240 python3 benchmarks/bench_engine.py --reps 2 --variants plain,plain_dev,engine 2>&1 \
-    | tee "$OUT/bench_engine_short.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = lasagne ]; then  # layers and conv/pool Ops on the GPU (JAX), one rank
   # float64: the tests compare float64 numpy data (as in CI)

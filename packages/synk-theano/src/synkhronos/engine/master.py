@@ -58,8 +58,15 @@ class Orchestrator:
         return found
 
 
-def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
+def reason_of(rep: Replica, plan: calls.CallPlan) -> str | None:
+    """Why the call cannot run as one program, as far as the master knows before the call
+    (:func:`~synkhronos.engine.program.per_rank_reason`; None: it may)."""
+    return per_rank_reason(rep, plan)
+
+
+def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | None] | None = None) -> list[Any]:
     """Run a planned call on the workers; returns its outputs, combined, in the call's order.
+    ``known``: the plan's :func:`reason_of`, from an earlier call of the same plan.
 
     Raises
     ------
@@ -71,7 +78,7 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
     if ph is not None:
         ph.mark("prepare")
     spec = rep.spec
-    reason = per_rank_reason(rep, plan)
+    reason = per_rank_reason(rep, plan) if known is None else known[0]
     if reason is not None and rep.has_collectives:
         raise NotOneProgramError(f"{spec.name or 'this function'} uses in-graph collectives, which run only in one "
                          f"program over the ranks, and this call cannot run as one: {reason}. Split the rows "
