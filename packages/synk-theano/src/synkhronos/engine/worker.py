@@ -63,11 +63,12 @@ class Ranks:
         """Whether :meth:`pin` registers memory (off where the device cannot, after the first failure)."""
         self.pinned: dict[int, int] = {}
         """Data id -> the address of its memory, registered with the device."""
-        self.known: dict[bytes, tuple[calls.CallPlan, Any, Program, Any]] = {}
+        self.known: dict[bytes, tuple[calls.CallPlan, Any, Program, Any, np.ndarray]] = {}
         """A call's plan (its scratch slots, as bytes) -> what it decoded to: (plan, replica, program,
-        batch_s window), for plans that ran as one program and need no check between the ranks."""
+        batch_s window, the weight replied), for plans that ran as one program and need no check
+        between the ranks."""
 
-    def remember(self, key: bytes, known: tuple[calls.CallPlan, Any, Program, Any]) -> None:
+    def remember(self, key: bytes, known: tuple[calls.CallPlan, Any, Program, Any, np.ndarray]) -> None:
         """Keep what a call's plan decoded to (:attr:`known`): the next call of the same plan looks it up.
         Not for functions with sliceable shared variables (each call compares their shapes between the
         ranks, a collective the master takes part in)."""
@@ -154,7 +155,7 @@ def _call(group: Group, _payload: None) -> None:
     key = scratch[:calls.CallPlan.length_of(scratch, rt.size)].tobytes()
     known = rt.engine.known.get(key)
     if known is not None:  # the same plan as an earlier call that ran as one program
-        plan, rep, program, found = known
+        plan, rep, program, found, weight = known
     else:
         plan = calls.decode(scratch, rt.size)
         rep = rt.replicas[plan.fid]
@@ -170,7 +171,9 @@ def _call(group: Group, _payload: None) -> None:
             weight, outputs = calls.execute(rt, plan)
             group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
             return
-        rt.engine.remember(key, (plan, rep, program, found))
+        rows = found[1] if found else int(plan.positions[0][1] - plan.positions[0][0]) if rep.spec.inputs else 1
+        weight = np.array(float(rows * rt.size))  # the call's rows over every rank
+        rt.engine.remember(key, (plan, rep, program, found, weight))
     if ph is not None:
         ph.mark("plan")
     scattered, bcast = calls.rank_inputs(rt, plan)
@@ -197,8 +200,7 @@ def _call(group: Group, _payload: None) -> None:
         if ph is not None:
             ph.mark("wait")
     if rt.rank == 0:
-        rows = found[1] if found else int(plan.positions[0][1] - plan.positions[0][0]) if rep.spec.inputs else 1
-        group.reply([_FORM, np.array(float(rows * rt.size)), *values])
+        group.reply([_FORM, weight, *values])
     else:
         group.reply([_FORM])
     if ph is not None:
