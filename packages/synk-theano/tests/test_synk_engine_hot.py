@@ -108,6 +108,19 @@ def test_one_rank_windows_subsets_and_no_outputs(one_rank):
     np.testing.assert_allclose(w.get_value(), before + xd.data.sum(axis=0), rtol=1e-12)
 
 
+def test_a_large_input_falls_back_to_pageable_memory_where_registration_fails(one_rank):
+    rng = np.random.default_rng(2)
+    values = rng.standard_normal((300, 512))  # 1.2 MB: registration is tried, JAX's CPU device refuses it
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=[(x.sum(axis=0), "sum"), (x[:, :3], None)])
+    d = synk.data(values)
+    for batch in (slice(0, 256), 100, slice(0, 256)):
+        got = f(d, batch=batch)
+        rows = values[batch] if isinstance(batch, slice) else values[:batch]
+        np.testing.assert_allclose(got[0], rows.sum(axis=0), rtol=1e-12)
+        np.testing.assert_allclose(got[1], rows[:, :3], rtol=1e-12)
+
+
 class _Client:
     """A device client that registers memory (or refuses to), recording what it was asked."""
 
@@ -142,16 +155,17 @@ def _ranks(client: _Client) -> engine_worker.Ranks:
     return ranks
 
 
-def test_registration_once_per_data_undone_before_it_changes_and_off_after_a_refusal():
+def test_registration_once_per_data_undone_before_it_changes_and_off_after_a_refusal(monkeypatch):
     from synk_shm import Data
 
-    a, b = Data(np.ones((4, 3), "float32")), Data(np.ones(5, "int32"), oversize=2)
+    monkeypatch.setattr(engine_worker, "PIN_MIN_BYTES", 40)
+    a, b, small = Data(np.ones((4, 3), "float32")), Data(np.ones(5, "int32"), oversize=2), Data(np.ones(9, "int32"))
     try:
         client = _Client()
-        ranks, rt = _ranks(client), _Runtime({1: a, 2: b})
+        ranks, rt = _ranks(client), _Runtime({1: a, 2: b, 3: small})
         for _ in range(3):
-            ranks.pin(rt, [1, 2])  # type: ignore[arg-type]
-        assert client.calls == 2
+            ranks.pin(rt, [1, 2, 3])  # type: ignore[arg-type]
+        assert client.calls == 2  # 36 bytes: below PIN_MIN_BYTES, not registered
         assert client.mapped == {a.data.__array_interface__["data"][0]: 48,
                                  b.data.__array_interface__["data"][0]: 40}  # the whole allocation
         ranks.unpin(1)  # before Data 1 changes (synkhronos.data_registry)
@@ -163,8 +177,8 @@ def test_registration_once_per_data_undone_before_it_changes_and_off_after_a_ref
         ranks.pin(rt, [1, 2])  # type: ignore[arg-type]
         assert refusing.calls == 1 and not ranks.pinning and not ranks.pinned
     finally:
-        a.free_memory()
-        b.free_memory()
+        for d in (a, b, small):
+            d.free_memory()
 
 
 @pytest.mark.parametrize(("value", "on_gpu", "expected"), [("", True, True), ("", False, False), ("0", True, False),
