@@ -101,6 +101,15 @@ def test_one_rank_windows_subsets_and_no_outputs(one_rank):
         np.testing.assert_allclose(got[1], values[sel], rtol=1e-12)
     np.testing.assert_allclose(w.get_value(), 2 * values[1:4].sum(axis=0) + values[5:8].sum(axis=0), rtol=1e-12)
     xd = synk.data(rng.standard_normal((6, 3)))
+    # outputs that leave a one-rank program without a collective: an integer avg and a boolean max
+    # (combined by the master), a 0-d gather, a prod
+    k = synk.function([x], outputs=[(x.shape[0], "avg"), ((x > 0).any(), "max"), (pt.mean(x), None),
+                                    (1 + 0.1 * x.sum(), "prod")])
+    got = k(xd)
+    assert got[0] == 6  # one part is returned as it is (synkhronos.reduce_ops.combine)
+    assert bool(got[1]) == bool((xd.data > 0).any())
+    np.testing.assert_allclose(got[2], [xd.data.mean()], rtol=1e-12)
+    assert got[3] == pytest.approx(1 + 0.1 * xd.data.sum())
     assert h(xd, output_subset=[1]) == [pytest.approx(xd.data.max())]
     assert h(xd)[0] == pytest.approx(xd.data.sum())
     before = w.get_value()

@@ -158,6 +158,16 @@ def _reduce(value: Any, form: str, dtype: np.dtype) -> Any:
     return lax.all_gather(value, AXIS)  # STACKED: the master combines the parts
 
 
+def _alone(value: Any, form: str, dtype: np.dtype) -> Any:
+    """One output of the only rank, as :func:`_reduce` gives it over one rank, without a collective
+    (XLA keeps an all-reduce of one participant: on a GPU, a collective launch per call)."""
+    if form == "gather":
+        return value if value.ndim > 0 else value[None]
+    if form == STACKED:
+        return value[None]
+    return value.astype(dtype)
+
+
 class Program:
     """One function (one output subset) compiled as one program over the ranks.
 
@@ -204,6 +214,7 @@ class Program:
         self.update_dtypes = [np.dtype(v.type.dtype) for v in self.updated]
         local = jax_funcify(fgraph, synk_axis=AXIS, synk_weight=None)
         n_out, forms, dtypes, update_dtypes = self.n_out, self.forms, self.dtypes, self.update_dtypes
+        reduce = _reduce if mesh.devices.size > 1 else _alone
         asarray = jax.numpy.asarray  # an output may be a Python number (a static shape) or another dtype
         first_start = len(spec.all_inputs) + len(self.sliceable)
         starts = range(first_start, first_start + len(self.sliceable))
@@ -212,7 +223,7 @@ class Program:
             args = tuple(a[0] if i in starts else a for i, a in enumerate(args))  # each start: a (1,) block
             outs = local(*args)
             outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-            results = [_reduce(asarray(o, dtype=dt), form, dt) for o, form, dt in zip(outs[:n_out], forms, dtypes)]
+            results = [reduce(asarray(o, dtype=dt), form, dt) for o, form, dt in zip(outs[:n_out], forms, dtypes)]
             news = [asarray(u, dtype=dt) for u, dt in zip(outs[n_out:], update_dtypes)]
             return (*results, *news)
 
