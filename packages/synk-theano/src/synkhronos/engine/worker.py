@@ -97,9 +97,9 @@ class Ranks:
             if did in self.pinned:
                 continue
             values = rt.data[did].data
-            nbytes = rt.data[did].alloc_size * values.itemsize if values is not None else 0
-            if nbytes < PIN_MIN_BYTES:
+            if values is None or rt.data[did].alloc_size * values.itemsize < PIN_MIN_BYTES:
                 continue
+            nbytes = rt.data[did].alloc_size * values.itemsize
             address = int(values.__array_interface__["data"][0])
             try:
                 self.device.client.dma_map(address, nbytes)
