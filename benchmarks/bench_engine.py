@@ -21,6 +21,7 @@ Goals (issue 17): engine within 3% of plain per step, peak <= 1.05x plain, tiny 
 
     python benchmarks/bench_engine.py              # one GPU: the table (about 2 minutes on one H100)
     python benchmarks/bench_engine.py --dry-run    # no GPU needed: small shapes on JAX's CPU device
+    python benchmarks/bench_engine.py --reps 1 --variants plain,engine   # a quicker look
 
 Without a GPU and without ``--dry-run`` it says so and exits 0 (``nox -s bench`` on a CPU machine).
 Run from the repository root with the packages on ``PYTHONPATH``.

@@ -174,12 +174,14 @@ def test_registration_once_per_data_undone_before_it_changes_and_off_after_a_ref
         ranks, rt = _ranks(client), _Runtime({1: a, 2: b, 3: small})
         for _ in range(3):
             ranks.pin(rt, [1, 2, 3])  # type: ignore[arg-type]
-        assert client.calls == 2  # 36 bytes: below PIN_MIN_BYTES, not registered
+        assert client.calls == 2 and ranks.pinned[3] == 0  # 36 bytes: below PIN_MIN_BYTES, not registered
         assert client.mapped == {a.data.__array_interface__["data"][0]: 48,
                                  b.data.__array_interface__["data"][0]: 40}  # the whole allocation
         ranks.unpin(1)  # before Data 1 changes (synkhronos.data_registry)
         assert list(client.mapped) == [b.data.__array_interface__["data"][0]] and 1 not in ranks.pinned
         ranks.unpin(1)  # nothing left to undo
+        ranks.unpin(3)  # looked at again at its next call
+        assert 3 not in ranks.pinned
         refusing = _Client(refuse=True)
         ranks = _ranks(refusing)
         ranks.pin(rt, [1, 2])  # type: ignore[arg-type]

@@ -68,7 +68,7 @@ class Ranks:
         self.pinning = pin
         """Whether :meth:`pin` registers memory (off where the device cannot, after the first failure)."""
         self.pinned: dict[int, int] = {}
-        """Data id -> the address of its memory, registered with the device."""
+        """Data id -> the address of its memory, registered with the device (0: too small to register)."""
         self.known: dict[bytes, tuple[calls.CallPlan, Any, Program, Any, np.ndarray]] = {}
         """A call's plan (its scratch slots, as bytes) -> what it decoded to: (plan, replica, program,
         batch_s window, the weight replied), for plans that ran as one program and need no check
@@ -97,7 +97,10 @@ class Ranks:
             if did in self.pinned:
                 continue
             values = rt.data[did].data
-            if values is None or rt.data[did].alloc_size * values.itemsize < PIN_MIN_BYTES:
+            if values is None:
+                continue
+            if rt.data[did].alloc_size * values.itemsize < PIN_MIN_BYTES:
+                self.pinned[did] = 0  # looked at: too small (looked at again after it changes)
                 continue
             nbytes = rt.data[did].alloc_size * values.itemsize
             address = int(values.__array_interface__["data"][0])
@@ -113,8 +116,8 @@ class Ranks:
     def unpin(self, did: int) -> None:
         """Before Data ``did``'s memory changes or goes (:mod:`synkhronos.data_registry`): undo its
         registration (a registration outliving its mapping would let the device read stale pages)."""
-        address = self.pinned.pop(did, None)
-        if address is not None:
+        address = self.pinned.pop(did, 0)
+        if address:
             try:
                 self.device.client.dma_unmap(address)
             except Exception as exc:  # the mapping is gone either way
