@@ -21,6 +21,7 @@ Goals (issue 17): engine within 3% of plain per step, peak <= 1.05x plain, tiny 
 
     python benchmarks/bench_engine.py              # one GPU: the table (about 2 minutes on one H100)
     python benchmarks/bench_engine.py --dry-run    # no GPU needed: small shapes on JAX's CPU device
+    python benchmarks/bench_engine.py --reps 1 --variants plain,engine   # a quicker look
 
 Without a GPU and without ``--dry-run`` it says so and exits 0 (``nox -s bench`` on a CPU machine).
 Run from the repository root with the packages on ``PYTHONPATH``.
@@ -194,6 +195,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="small shapes on JAX's CPU device (no GPU needed)")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--reps", type=int, default=int(os.environ.get("REPS", 2)))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated variants to run (default: all)")
     args = parser.parse_args()
     cfg = DRY if args.dry_run else FULL
     if args.variant:
@@ -205,7 +208,7 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {}
     t0 = time.perf_counter()
     for rep in range(args.reps):
-        for name in VARIANTS:
+        for name in args.variants.split(","):
             cmd = [sys.executable, __file__, "--variant", name] + (["--dry-run"] if args.dry_run else [])
             proc = subprocess.run(cmd, env=child_env(args.dry_run), capture_output=True, text=True, timeout=400)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -13,7 +13,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | bench | comm | profile | mnist | engine | resnet | resnet-fp32 | lasagne | cpu
+what=${1:-all}  # all | tests | bench | comm | profile | mnist | engine | hot | resnet | resnet-fp32 | lasagne | cpu
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode
 # (float64: the tests' numpy data), as four pytest processes at once: each forks its own groups
 # over both GPUs (no preallocation), so they share the GPUs; their compile time runs in parallel.
@@ -42,6 +42,13 @@ if [ "$what" = all ] || [ "$what" = engine ]; then  # the JAX engine: its GPU te
   timeout 240 python3 -m pytest -p no:cacheprovider -q -s packages/synk-theano/tests/test_synk_engine_gpu.py 2>&1 \
     | tee "$OUT/engine_gpu_tests.log" || status=1
   timeout 300 python3 benchmarks/bench_engine.py 2>&1 | tee "$OUT/bench_engine.log" || status=1
+fi
+if [ "$what" = hot ]; then  # the engine's call path: its GPU tests, the one-GPU table, where a call's time goes
+  timeout 150 python3 -m pytest -p no:cacheprovider -q packages/synk-theano/tests/test_synk_engine_gpu.py 2>&1 \
+    | tail -n 5 | tee "$OUT/engine_gpu_tests.log" || status=1
+  timeout 320 python3 benchmarks/bench_engine.py --reps 3 2>&1 | tee "$OUT/bench_engine.log" || status=1
+  PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 150 python3 benchmarks/profile_engine_call.py 2>&1 \
+    | tee "$OUT/profile_engine_call.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = lasagne ]; then  # layers and conv/pool Ops on the GPU (JAX), one rank
   # float64: the tests compare float64 numpy data (as in CI)

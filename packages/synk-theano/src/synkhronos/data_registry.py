@@ -137,7 +137,10 @@ def _update(group: Group, items: list[tuple[int, DataHandle | None]]) -> None:
     from synkhronos.worker import runtime
 
     rt = runtime(group)
+    unpin = getattr(rt.engine, "unpin", None)  # the JAX engine registers Data memory with its device
     for did, handle in items:
+        if unpin is not None:
+            unpin(did)
         if handle is None:
             old = rt.data.pop(did, None)
             if old is not None:

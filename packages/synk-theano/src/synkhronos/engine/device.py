@@ -41,6 +41,13 @@ class EngineDevice(GpuDevice):
         self.xp = jax.numpy
         self.device = device
         self._global: dict[Any, tuple[Any, Any]] = {}  # var -> (local value, its global form)
+        self._local = jax.sharding.SingleDeviceSharding(device)
+
+    def put(self, arrays: list[np.ndarray]) -> list[Any]:
+        """Host arrays onto this rank's device, in one ``jax.device_put`` (not waited for; from
+        memory that :meth:`Ranks.pin <synkhronos.engine.worker.Ranks.pin>` registered with the
+        device, a DMA at the link's full speed)."""
+        return list(self.jax.device_put(arrays, self._local)) if arrays else []
 
     @property
     def nccl_capable(self) -> bool:  # type: ignore[override]
@@ -57,11 +64,12 @@ class EngineDevice(GpuDevice):
         self._global[var] = (local, glob)
         return glob
 
-    def store(self, var: SharedVariable, glob: Any) -> None:
-        """Keep an updated value that the program returned (its global form)."""
+    def store(self, var: SharedVariable, glob: Any) -> Any:
+        """Keep an updated value that the program returned (its global form); returns the local value."""
         local = glob.addressable_data(0)
         var.container.storage[0] = local
         self._global[var] = (local, glob)
+        return local
 
 
 class HostDevice(CpuDevice):

@@ -24,6 +24,7 @@ import numpy as np
 from synkhronos import calls
 from synkhronos.engine import CALL, PROGRAM, VALUE, NotOneProgramError
 from synkhronos.engine.launch import ABORT_GRACE_S
+from synkhronos.engine.phases import PHASES
 from synkhronos.engine.program import STACKED, _output_form, fit_reason, per_rank_reason
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
@@ -42,10 +43,30 @@ class Orchestrator:
         """Each compute rank's rows in the last call (0: the rank computed nothing)."""
         self.logged: set[tuple[int, str]] = set()
         """(function id, reason) of the per-rank runs logged already."""
+        self.outputs: dict[tuple[int, tuple[int, ...] | None], tuple[list[str], list[bool]]] = {}
+        """(function id, output subset) -> each output's op and whether it leaves the program stacked
+        (the master combines it)."""
+
+    def outputs_of(self, rep: Replica, subset: tuple[int, ...] | None) -> tuple[list[str], list[bool]]:
+        """The ops of ``rep``'s outputs in ``subset`` and which leave the program stacked (cached)."""
+        key = (rep.spec.fid, subset)
+        found = self.outputs.get(key)
+        if found is None:
+            ops = rep.output_ops(subset)
+            dtypes = [np.dtype(v.type.dtype) for v in rep.output_variables(subset)]
+            found = self.outputs[key] = (ops, [_output_form(op, dt) == STACKED for op, dt in zip(ops, dtypes)])
+        return found
 
 
-def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
+def reason_of(rep: Replica, plan: calls.CallPlan) -> str | None:
+    """Why the call cannot run as one program, as far as the master knows before the call
+    (:func:`~synkhronos.engine.program.per_rank_reason`; None: it may)."""
+    return per_rank_reason(rep, plan)
+
+
+def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | None] | None = None) -> list[Any]:
     """Run a planned call on the workers; returns its outputs, combined, in the call's order.
+    ``known``: the plan's :func:`reason_of`, from an earlier call of the same plan.
 
     Raises
     ------
@@ -53,8 +74,11 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
         A ValueError: the call cannot run as one program and the function's graph holds in-graph collectives
         (Ops marked ``synk_collective = True``), which only mean something inside the program.
     """
+    ph = PHASES
+    if ph is not None:
+        ph.mark("prepare")
     spec = rep.spec
-    reason = per_rank_reason(rep, plan)
+    reason = per_rank_reason(rep, plan) if known is None else known[0]
     if reason is not None and rep.has_collectives:
         raise NotOneProgramError(f"{spec.name or 'this function'} uses in-graph collectives, which run only in one "
                          f"program over the ranks, and this call cannot run as one: {reason}. Split the rows "
@@ -67,16 +91,19 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan) -> list[Any]:
         rt.group.abort_grace_s = ABORT_GRACE_S if reason is None else None
         if reason is not None and calls.needs_selection_barrier(spec, plan):
             rt.group.barrier()  # the workers check their sliceable rows, then meet (calls.execute)
+    if ph is not None:
+        ph.mark("command")
     replies = rt.group.replies()
     shares = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
-    ops = rep.output_ops(plan.subset)
-    rt.engine.last_weights = ([float(shares[0][1]) / rt.size] * rt.size
-                              if int(shares[0][0]) == PROGRAM else [float(s[1]) for s in shares])
+    ops, stacked = rt.engine.outputs_of(rep, plan.subset)
     if int(shares[0][0]) == PROGRAM:
-        dtypes = [np.dtype(v.type.dtype) for v in rep.output_variables(plan.subset)]
-        return [combine(op, list(value), [1.0] * rt.size, what=f"output {i}")
-                if _output_form(op, dtype) == STACKED else value
-                for i, (op, dtype, value) in enumerate(zip(ops, dtypes, shares[0][2:]))]
+        rt.engine.last_weights = [float(shares[0][1]) / rt.size] * rt.size
+        results = [combine(op, list(value), [1.0] * rt.size, what=f"output {i}") if stack else value
+                   for i, (op, stack, value) in enumerate(zip(ops, stacked, shares[0][2:]))]
+        if ph is not None:
+            ph.mark("results")
+        return results
+    rt.engine.last_weights = [float(s[1]) for s in shares]
     _log_per_rank(rt, rep, reason)
     weights = [float(s[1]) for s in shares]
     return [combine(op, [s[2 + i] if len(s) > 2 else np.empty(0) for s in shares], weights, what=f"output {i}")

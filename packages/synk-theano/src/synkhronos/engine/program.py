@@ -32,11 +32,13 @@ program and combined by :func:`synkhronos.reduce_ops.combine` in the master.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from synkhronos.calls import NONE, CallPlan
+from synkhronos.engine.phases import PHASES
 from synkhronos.replica import Replica
 
 if TYPE_CHECKING:
@@ -156,6 +158,16 @@ def _reduce(value: Any, form: str, dtype: np.dtype) -> Any:
     return lax.all_gather(value, AXIS)  # STACKED: the master combines the parts
 
 
+def _alone(value: Any, form: str, dtype: np.dtype) -> Any:
+    """One output of the only rank, as :func:`_reduce` gives it over one rank, without a collective
+    (XLA keeps an all-reduce of one participant: on a GPU, a collective launch per call)."""
+    if form == "gather":
+        return value if value.ndim > 0 else value[None]
+    if form == STACKED:
+        return value[None]
+    return value.astype(dtype)
+
+
 class Program:
     """One function (one output subset) compiled as one program over the ranks.
 
@@ -202,6 +214,7 @@ class Program:
         self.update_dtypes = [np.dtype(v.type.dtype) for v in self.updated]
         local = jax_funcify(fgraph, synk_axis=AXIS, synk_weight=None)
         n_out, forms, dtypes, update_dtypes = self.n_out, self.forms, self.dtypes, self.update_dtypes
+        reduce = _reduce if mesh.devices.size > 1 else _alone
         asarray = jax.numpy.asarray  # an output may be a Python number (a static shape) or another dtype
         first_start = len(spec.all_inputs) + len(self.sliceable)
         starts = range(first_start, first_start + len(self.sliceable))
@@ -210,7 +223,7 @@ class Program:
             args = tuple(a[0] if i in starts else a for i, a in enumerate(args))  # each start: a (1,) block
             outs = local(*args)
             outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-            results = [_reduce(asarray(o, dtype=dt), form, dt) for o, form, dt in zip(outs[:n_out], forms, dtypes)]
+            results = [reduce(asarray(o, dtype=dt), form, dt) for o, form, dt in zip(outs[:n_out], forms, dtypes)]
             news = [asarray(u, dtype=dt) for u, dt in zip(outs[n_out:], update_dtypes)]
             return (*results, *news)
 
@@ -222,32 +235,64 @@ class Program:
         self.replicated = NamedSharding(mesh, P())
         self.size = int(mesh.devices.size)
         self._last: Any = ()
+        # The shared variables' operands of the last call and the local values they stand for: the
+        # next call reuses them while every variable still holds that value (no per-variable lookup).
+        self._operands: list[Any] = []
+        self._values: list[Any] = []
+        self._position = {i: self.shared.index(v) for i, v in enumerate(self.updated) if v in self.shared}
 
     def __call__(self, device: EngineDevice, scattered: list[np.ndarray], bcast: list[Any],
                  start: int = 0) -> list[Any]:
         """Run this rank's part: ``scattered`` its rows, ``bcast`` the broadcast values, ``start`` its
         first row of the sliceable variables.  Stores the updated values; returns the outputs (global
         arrays, replicated; not waited for)."""
-        jax = device.jax
-        dev = device.device
-        args = [jax.make_array_from_single_device_arrays((self.size * x.shape[0], *x.shape[1:]), self.rows,
-                                                         [jax.device_put(x, dev)]) for x in scattered]
-        args += [jax.make_array_from_single_device_arrays(np.shape(b), self.replicated, [jax.device_put(b, dev)])
-                 for b in bcast]
+        host = [*scattered, *(np.asarray(b) for b in bcast)]
         if self.sliceable:
-            args += [device.global_value(var, self.replicated) for var in self.sliceable]
-            first = jax.device_put(np.array([start], dtype=np.int32), dev)
-            args += [jax.make_array_from_single_device_arrays((self.size,), self.rows, [first])] * len(self.sliceable)
-        args += [device.global_value(var, self.replicated) for var in self.shared]
+            host.append(np.array([start], dtype=np.int32))
+        if self.size == 1:  # the host arrays are the global operands: the program's own dispatch moves them
+            args = host[:len(host) - bool(self.sliceable)]
+            if self.sliceable:
+                args += [device.global_value(var, self.replicated) for var in self.sliceable]
+                args += [host[-1]] * len(self.sliceable)
+        else:
+            args = self._operands_of(device, host, len(scattered), len(bcast))
+        if PHASES is not None:
+            PHASES.mark("put")
+        values = [var.container.storage[0] for var in self.shared]
+        if len(values) != len(self._values) or any(map(operator.is_not, values, self._values)):
+            self._operands = [device.global_value(var, self.replicated) for var in self.shared]
+            self._values = [var.container.storage[0] for var in self.shared]
+        args += self._operands
+        if PHASES is not None:
+            PHASES.mark("operands")
         outs = self.jitted(*args)
         self._last = outs
-        for var, new in zip(self.updated, outs[self.n_out:]):
-            device.store(var, new)
+        for i, (var, new) in enumerate(zip(self.updated, outs[self.n_out:])):
+            local = device.store(var, new)
+            j = self._position.get(i)
+            if j is not None:
+                self._operands[j], self._values[j] = new, local
         return list(outs[:self.n_out])
+
+    def _operands_of(self, device: EngineDevice, host: list[np.ndarray], n: int, n_bcast: int) -> list[Any]:
+        """Over several ranks: this rank's host arrays onto its device, each made the global operand
+        that it is a block of (the scattered rows, the broadcast values, the sliceable start)."""
+        local = device.put(host)
+        glob = device.jax.make_array_from_single_device_arrays
+        args = [glob((self.size * x.shape[0], *x.shape[1:]), self.rows, [x]) for x in local[:n]]
+        args += [glob(x.shape, self.replicated, [x]) for x in local[n:n + n_bcast]]
+        if self.sliceable:
+            args += [device.global_value(var, self.replicated) for var in self.sliceable]
+            args += [glob((self.size,), self.rows, [local[-1]])] * len(self.sliceable)
+        return args
 
     def wait(self) -> None:
         """Until the last run has finished (its outputs and updated values)."""
         import jax
 
         jax.block_until_ready(self._last)
+        self._last = ()
+
+    def forget(self) -> None:
+        """The last run has finished (the caller read an output of it): nothing to wait for."""
         self._last = ()
