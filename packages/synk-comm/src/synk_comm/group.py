@@ -71,6 +71,8 @@ __all__ = ["Group", "start", "spawn", "handler", "current_group"]
 log = logging.getLogger(__name__)
 
 EXIT = -1
+SPAN_OFFSET_ENV = "SYNK_SPAN_OFFSET"
+SPAN_SIZE_ENV = "SYNK_SPAN_SIZE"
 ABANDONED_GRACE_S = 0.5
 """Seconds :meth:`Group.close` waits for workers still busy with an interrupted command before it
 kills them."""
@@ -145,6 +147,18 @@ class Group:
         # The master decides (no spinning with more ranks than cores) and tells the workers at launch
         # (SYNK_SPIN_US): a worker pinned to its own cores cannot tell how many the group has.
         self._spin = SPIN_S if not create or size <= len(os.sched_getaffinity(0)) else 0.0
+        # A group that is one host's part of a group spanning hosts (synk_comm.net): its worker ranks
+        # 1.. are the span's ranks span_offset + 1.. of span_size.  Set in the workers at launch.
+        spanned = not create and SPAN_SIZE_ENV in os.environ
+        self.spans_hosts = spanned
+        """Whether this group is one host's part of a group that spans hosts (:mod:`synk_comm.net`)."""
+        self.span_offset = int(os.environ[SPAN_OFFSET_ENV]) if spanned else 0
+        """Added to a worker's rank here: its rank in the group that spans hosts (0 otherwise)."""
+        self.span_size = int(os.environ[SPAN_SIZE_ENV]) if spanned else size
+        """Ranks of the group that spans hosts, its master included (``size`` otherwise)."""
+        self.watch: Callable[[], None] | None = None
+        """In the master: called between two polls of every wait on the workers (it may raise to
+        stop waiting); :mod:`synk_comm.net` watches the other hosts with it."""
         self.abort_grace_s: float | None = None
         """Seconds the master waits, once a worker has reported an error during a command, for the
         other workers to finish it; then it counts them as stuck (inside a collective that can no
@@ -185,6 +199,8 @@ class Group:
         for r, proc in self._procs.items():
             if proc.poll() is not None:
                 self._fail_dead(r, proc)
+        if self.watch is not None:
+            self.watch()
 
     def _fail_dead(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         detail = ""

@@ -67,8 +67,8 @@ def _join(group: Group, payload: tuple[str, bool]) -> None:
     if group.is_master:
         return
     coordinator, on_gpu = payload
-    size = group.size - 1
-    device = launch.join(coordinator, size, group.rank - 1, on_gpu)
+    size = group.span_size - 1  # every host's ranks where the group spans hosts (synkhronos.multinode)
+    device = launch.join(coordinator, size, group.rank + group.span_offset - 1, on_gpu)
     rt = Runtime(group, EngineDevice(device), engine=Ranks(device))
     set_current(rt)
 

@@ -1,0 +1,127 @@
+"""``python -m synkhronos.launch``: one Synkhronos run over several hosts.
+
+Run the same command on every host (as with ``torchrun``)::
+
+    python -m synkhronos.launch --nnodes 2 --node-rank R --nproc-per-node 8 \\
+        --coordinator node0.example:29500 train.py --epochs 10
+
+* On node 0 it runs ``train.py`` (the master: the user's program) with the environment of
+  :mod:`synkhronos.multinode`; the script's ``synk.fork()`` (no arguments) waits for the other
+  hosts and forms one run over every host's ranks.  The launcher exits with the script's status.
+* On every other node it runs the node agent: it starts that host's ``--nproc-per-node`` workers
+  when the master forks, serves them, and exits 0 when the master's script ends (1 if the master
+  was lost).  The script's name is ignored there.
+
+Under Slurm (one task per node: ``srun --ntasks-per-node=1``) the options default to the job's
+``SLURM_NNODES``, ``SLURM_NODEID``, the first host of ``SLURM_JOB_NODELIST`` (port 29500) and the
+node's GPUs (or ``SLURM_CPUS_ON_NODE``-based CPU ranks); ``SYNK_COORDINATOR`` also sets the
+coordinator.
+
+Ports on the coordinator's host: ``PORT`` (the master, pyzmq) and ``PORT + 1`` (JAX's
+coordination service), reachable from every host; the ranks' own collectives (gloo on CPU, NCCL
+on GPU) connect every host to every other on ports they pick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from synkhronos.multinode import COORDINATOR_ENV, DEFAULT_PORT, NNODES_ENV, NPROC_ENV, split_address
+
+__all__ = ["main", "first_host"]
+
+log = logging.getLogger("synkhronos")
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``"gpu[03-05,07],cpu1"`` -> ``"gpu03"``.
+
+    Examples
+    --------
+    >>> first_host("node[003-010,12]")
+    'node003'
+    >>> first_host("a1,b2")
+    'a1'
+    """
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"cannot read the Slurm node list {nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    return prefix + re.split(r"[-,]", ranges)[0]
+
+
+def _default_nproc() -> int:
+    from synkhronos import cpu
+    from synkhronos.forking import gpu_count
+
+    gpus = gpu_count()
+    if gpus:
+        return gpus
+    cores = int(os.environ.get("SLURM_CPUS_ON_NODE", "0")) or len(os.sched_getaffinity(0))
+    return cpu.default_ranks(cores)
+
+
+def _parser() -> argparse.ArgumentParser:
+    env = os.environ
+    parser = argparse.ArgumentParser(prog="python -m synkhronos.launch", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nnodes", type=int, default=int(env.get("SLURM_NNODES", "1")),
+                        help="hosts in the run (default: SLURM_NNODES, else 1)")
+    parser.add_argument("--node-rank", type=int, default=int(env.get("SLURM_NODEID", "0")),
+                        help="this host's rank, 0 runs the script (default: SLURM_NODEID, else 0)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="ranks on this host (default: its GPUs, else CPU mode's default ranks)")
+    default_coord = env.get(COORDINATOR_ENV)
+    if not default_coord and env.get("SLURM_JOB_NODELIST"):
+        default_coord = f"{first_host(env['SLURM_JOB_NODELIST'])}:{DEFAULT_PORT}"
+    parser.add_argument("--coordinator", default=default_coord or f"127.0.0.1:{DEFAULT_PORT}",
+                        help="HOST:PORT of node 0, reachable from every host; ports PORT and PORT+1 are used "
+                             "(default: SYNK_COORDINATOR, else the first host of SLURM_JOB_NODELIST, port 29500)")
+    parser.add_argument("--host-name", default=None, help="this host's name in messages (default: its hostname)")
+    parser.add_argument("script", nargs="?", help="the program, run on node 0 (ignored elsewhere)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The launcher (see the module docstring); returns the exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise SystemExit(f"--node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
+    nproc = args.nproc_per_node or _default_nproc()
+    if nproc < 1:
+        raise SystemExit(f"--nproc-per-node must be >= 1, got {nproc}")
+    host, port = split_address(args.coordinator)
+    if args.node_rank > 0:
+        from synkhronos import multinode
+
+        name = args.host_name or socket.gethostname()
+        return multinode.serve(f"tcp://{host}:{port}", args.node_rank, nproc, host=name)
+    if not args.script:
+        raise SystemExit("node 0 runs the program: python -m synkhronos.launch [options] script.py [args]")
+    env = dict(os.environ, **{NNODES_ENV: str(args.nnodes), NPROC_ENV: str(nproc),
+                              COORDINATOR_ENV: f"{host}:{port}"})
+    proc = subprocess.Popen([sys.executable, args.script, *args.args], env=env)
+
+    def forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    code = proc.wait()
+    return code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
