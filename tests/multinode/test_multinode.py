@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -41,7 +40,7 @@ from synk_testutil import worker_pids  # noqa: E402
 import synkhronos as synk  # noqa: E402
 from synk_comm import HostLostError, WorkerDiedError, WorkerError  # noqa: E402
 from synk_comm.net import SpanGroup  # noqa: E402
-from synkhronos import multinode  # noqa: E402
+from synkhronos.launch import LocalNodes  # noqa: E402
 from synkhronos.runtime import current  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120),
@@ -49,78 +48,42 @@ pytestmark = [pytest.mark.timeout(120),
 
 HERE_RANKS, THERE_RANKS = 1, 2
 RANKS = HERE_RANKS + THERE_RANKS
-HOST = "sim-host-1"
+HOST = LocalNodes.host_name(1)
 FAIL_S = 5.0
 """A failure on the other host reaches the master within this many seconds."""
 
 
-def free_port_pair() -> int:
-    """A port ``p`` with ``p`` and ``p + 1`` free now (the master's endpoint and JAX's coordinator)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 class OtherHost:
-    """Node 1: a launcher of its own (its own run, so its own shared-memory names)."""
+    """Node 1, a launcher of its own (see :class:`synkhronos.launch.LocalNodes`)."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = os.path.join(HERE, f".node1-{os.getpid()}.log")
+    def __init__(self, nodes: LocalNodes) -> None:
+        self.nodes = nodes
+
+    @property
+    def proc(self):
+        return self.nodes.procs[1]
 
     def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SYNK_", "PYTEST_"))}
-        env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "synkhronos.launch", "--nnodes", "2", "--node-rank", "1",
-                                          "--nproc-per-node", str(THERE_RANKS), "--coordinator",
-                                          f"127.0.0.1:{self.port}", "--host-name", HOST],
-                                         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.nodes.start(1)
 
     def workers(self) -> list[int]:
-        assert self.proc is not None
         return worker_pids(self.proc.pid)
 
     def shm_entries(self, pid: int | None = None) -> list[str]:
         """Its shared-memory objects (names carry its pid: ``synk<ns>-<pid>-``)."""
-        pid = self.proc.pid if pid is None else pid  # type: ignore[union-attr]
+        pid = self.proc.pid if pid is None else pid
         return [e for e in os.listdir("/dev/shm") if f"-{pid}-" in e.split("synk", 1)[-1][:40]]
 
 
 @pytest.fixture(scope="module")
 def other():
-    port = free_port_pair()
-    saved = {k: os.environ.get(k) for k in (multinode.NNODES_ENV, multinode.NPROC_ENV, multinode.COORDINATOR_ENV)}
-    os.environ.update({multinode.NNODES_ENV: "2", multinode.NPROC_ENV: str(HERE_RANKS),
-                       multinode.COORDINATOR_ENV: f"127.0.0.1:{port}"})
-    host = OtherHost(port)
-    host.start()
-    try:
-        yield host
-        synk.close()
-        assert multinode._hub is not None
-        multinode._hub.shutdown()  # the master's process ends: the other launcher exits 0
-        assert host.proc is not None and host.proc.wait(15) == 0, open(host.log).read()[-3000:]
-    finally:
-        if host.proc is not None and host.proc.poll() is None:
-            host.proc.kill()
-        multinode._hub = None
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if os.path.exists(host.log):
-            os.remove(host.log)
+    with tempfile.TemporaryFile() as log:
+        nodes = LocalNodes(nnodes=2, nproc_per_node=THERE_RANKS, here=HERE_RANKS, log=log)
+        with nodes:
+            yield OtherHost(nodes)
+            codes = nodes.stop()  # the master's side ends: the other launcher exits 0
+            log.seek(0)
+            assert codes == {1: 0}, log.read().decode(errors="replace")[-3000:]
 
 
 @pytest.fixture
@@ -150,7 +113,7 @@ def test_fork_spans_both_hosts(ranks, other):
     rt = current()
     assert isinstance(rt.group, SpanGroup) and rt.engine is not None
     assert rt.size == RANKS and [p.host for p in rt.group.peers] == [HOST]
-    assert len(other.workers()) == THERE_RANKS
+    assert len(other.workers()) == THERE_RANKS and other.shm_entries()  # its own names
     with pytest.raises(RuntimeError, match="already forked"):
         synk.fork()
 
@@ -212,6 +175,21 @@ def test_a_rank_error_on_the_other_host_names_rank_and_host(ranks):
         f(bad)
     assert info.value.ranks == [3] and "fails on purpose" in str(info.value)
     assert f(synk.data(np.ones((7, 4)))) == 28.0
+
+
+def test_a_rank_error_in_one_program_closes_the_run_after_the_grace(ranks, other):
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=(pt.sum(Slow(0.0, fail_rank=2)(x)), "sum"))
+    assert f(synk.data(np.ones((6, 4)))) == 24.0  # even rows: one program over the 3 ranks
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=f"rank 3 \\(host {HOST}\\) raised ") as info:
+        f(synk.data(-np.ones((6, 4))))  # the others wait in the program's collective for rank 2
+    assert time.monotonic() - t0 < FAIL_S + 3
+    assert "did not finish" in "".join(getattr(info.value, "__notes__", []))
+    assert current().group.closed
+    synk.close()
+    assert wait_until(lambda: not other.workers()) and not worker_pids()
+    assert other.shm_entries() == [], "the other host's copies of the Data outlive the run"
 
 
 # --- failures --------------------------------------------------------------------------------------

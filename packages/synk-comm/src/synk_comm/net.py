@@ -728,6 +728,7 @@ class Agent:
             self.context.destroy(linger=500)
 
     def _close_group(self, kill: bool) -> None:
+        self.state = {}  # the hooks' per-group objects (e.g. shared memory) go with the group
         g, self.group = self.group, None
         if g is not None and not g.closed:
             g.watch = None
@@ -780,7 +781,7 @@ class Agent:
         _, epoch, seq, name, payload, scratch, extra, grace, eager = msg
         g = self.group
         if g is None or g.closed:
-            done = ("done", epoch, seq, {}, [], ("error", [RemoteError(0, "GroupBrokenError",
+            done: tuple[Any, ...] = ("done", epoch, seq, {}, [], ("error", [RemoteError(0, "GroupBrokenError",
                     f"the group on host {self.host} is closed", "", host=self.host)],
                     "The group on that host was closed before this command."))
             self._send(done)

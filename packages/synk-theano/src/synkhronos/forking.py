@@ -199,11 +199,10 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
                  max_n_var: int) -> Runtime:
     """Start the engine's ``n_parallel`` workers (group ranks 1..n; the master is group rank 0) and
     join them into JAX's runtime (:mod:`synkhronos.engine`)."""
+    from synkhronos import multinode
     from synkhronos.engine import JOIN, launch
     from synkhronos.engine.device import HostDevice
     from synkhronos.engine.master import Orchestrator
-
-    from synkhronos import multinode
 
     spanning = multinode.launched()
     n_local = int(os.environ[multinode.NPROC_ENV]) if spanning else n_parallel
@@ -224,7 +223,7 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
     scratch = CallPlan.length(max_n_var, 0, n_parallel)
     spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu else 200))
     # Over several hosts (synkhronos.launch): node 0's workers here, the others' through their agents.
-    start = multinode.start_group if spanning else synk_comm.start
+    start: Any = multinode.start_group if spanning else synk_comm.start
     group = start(n_parallel + 1, imports=["synkhronos.worker"], master_rank=0, devices=devices,
                   env=env, scratch_size=scratch, spin_us=spin)
     group.abort_grace_s = launch.ABORT_GRACE_S  # a worker that fails to join leaves the others waiting

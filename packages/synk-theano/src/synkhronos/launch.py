@@ -33,10 +33,12 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+from types import TracebackType
+from typing import IO
 
 from synkhronos.multinode import COORDINATOR_ENV, DEFAULT_PORT, NNODES_ENV, NPROC_ENV, split_address
 
-__all__ = ["main", "first_host"]
+__all__ = ["LocalNodes", "main", "first_host"]
 
 log = logging.getLogger("synkhronos")
 
@@ -58,6 +60,112 @@ def first_host(nodelist: str) -> str:
     if not ranges:
         return prefix
     return prefix + re.split(r"[-,]", ranges)[0]
+
+
+def free_port_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` free now on 127.0.0.1 (the master's and JAX's ports)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise OSError("no two consecutive free ports on 127.0.0.1")
+
+
+class LocalNodes:
+    """Hosts simulated on this machine: nodes ``1..nnodes-1`` as launchers of their own (their own
+    runs, so their own shared-memory names; everything between them and this process goes through
+    the network path), and this process as node 0's master.
+
+    For tests, benchmarks and trying a launch without a cluster::
+
+        with LocalNodes(nnodes=2, nproc_per_node=2, here=1):
+            synk.fork()             # 3 ranks: 1 here, 2 on "node 1"
+
+    Parameters
+    ----------
+    nnodes : int
+        Hosts, this one included.
+    nproc_per_node : int
+        Ranks on each simulated host.
+    here : int
+        Ranks of node 0 (this process's workers).
+    port : int, optional
+        The coordinator's port (default: a free pair of ports).
+    log : file, optional
+        Where the launchers' output goes (default: discarded).
+    """
+
+    def __init__(self, nnodes: int = 2, nproc_per_node: int = 1, here: int = 1, port: int | None = None,
+                 log: IO[bytes] | None = None) -> None:
+        self.nnodes, self.nproc, self.here = nnodes, nproc_per_node, here
+        self.port = port or free_port_pair()
+        self.log = log
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._saved: dict[str, str | None] = {}
+
+    @staticmethod
+    def host_name(node: int) -> str:
+        """The name node ``node`` reports (``sim-host-<node>``)."""
+        return f"sim-host-{node}"
+
+    def start(self, node: int) -> subprocess.Popen[bytes]:
+        """Start (or start again) node ``node``'s launcher."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SYNK_")}  # a run of its own
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this machine: the master's modules
+        cmd = [sys.executable, "-m", "synkhronos.launch", "--nnodes", str(self.nnodes), "--node-rank", str(node),
+               "--nproc-per-node", str(self.nproc), "--coordinator", f"127.0.0.1:{self.port}",
+               "--host-name", self.host_name(node)]
+        out = self.log if self.log is not None else subprocess.DEVNULL
+        self.procs[node] = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
+        return self.procs[node]
+
+    def __enter__(self) -> LocalNodes:
+        from synkhronos import multinode
+
+        keys = (NNODES_ENV, NPROC_ENV, COORDINATOR_ENV)
+        self._saved = {k: os.environ.get(k) for k in keys}
+        os.environ.update({NNODES_ENV: str(self.nnodes), NPROC_ENV: str(self.here),
+                           COORDINATOR_ENV: f"127.0.0.1:{self.port}"})
+        multinode.reset()
+        for node in range(1, self.nnodes):
+            self.start(node)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> dict[int, int | None]:
+        """Close the run, end the master's side (the launchers then exit 0) and return each
+        launcher's exit status (None: it did not exit in time and was killed)."""
+        import synkhronos
+        from synkhronos import multinode
+
+        synkhronos.close()
+        multinode.reset()
+        codes: dict[int, int | None] = {}
+        for node, proc in self.procs.items():
+            try:
+                codes[node] = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                codes[node] = None
+        return codes
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self.stop()
+        finally:
+            for key, value in self._saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def _default_nproc() -> int:

@@ -96,6 +96,14 @@ def hub() -> net.Hub:
     return _hub
 
 
+def reset() -> None:
+    """End the master's endpoint, if bound: every agent exits 0 (the master's process ending does it too)."""
+    global _hub
+    if _hub is not None:
+        _hub.shutdown()
+    _hub = None
+
+
 def total_ranks(n_parallel: int | None) -> int:
     """Every host's ranks, once every agent has connected; ``n_parallel`` (if given) must equal it.
 
@@ -118,13 +126,7 @@ def total_ranks(n_parallel: int | None) -> int:
 def start_group(size: int, **start_kwargs: Any) -> net.SpanGroup:
     """:func:`synk_comm.start`'s place in :func:`synkhronos.forking._fork_engine` for a launch over
     hosts: node 0's workers here, the others through their agents (``size`` counts every rank)."""
-    start_kwargs.pop("devices", None)  # each host picks its own GPUs (agent side: _start_local)
-    use_gpu = (start_kwargs.get("env") or {}).get("SYNK_USE_GPU") == "1"
-    if use_gpu:
-        from synkhronos.gpu import visible_devices
-
-        gpus = visible_devices()
-        start_kwargs["devices"] = [",".join(gpus), *gpus[:_local_ranks()]]
+    use_gpu = (start_kwargs.get("env") or {}).get("SYNK_USE_GPU") == "1"  # each agent picks its host's GPUs
     span = net.SpanGroup.start(hub(), _nnodes(), _local_ranks(), spec={"use_gpu": use_gpu}, **start_kwargs)
     if span.size != size:  # pragma: no cover - total_ranks checked it
         span.close()
