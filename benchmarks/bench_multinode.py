@@ -1,0 +1,127 @@
+"""The path between hosts against the shared-memory path, on this machine (issue 20).
+
+Two runs of 2 ranks each on the JAX engine in CPU mode, one after the other in this process:
+
+``one host``   ``synk.fork(2, use_gpu=False, engine="jax")``: both workers read the Data in place,
+               values travel through shared memory.
+``two hosts``  :class:`synkhronos.launch.LocalNodes`: one worker here, one on a simulated host (a
+               launcher of its own, with its own shared memory): everything for the other host's rank goes
+               through pyzmq over TCP on localhost (the master's hub, its agent) before its shared memory.
+
+Measured per size (float64, MiB of the whole value), median of ``REPS`` repetitions, MB/s = bytes of
+the value / seconds (1 MB = 1e6 bytes):
+
+``call rows``   ``f(x)`` of ``sum(x)`` over a Data of that size: the rows of the other host's rank
+                travel once per call (half the value); on one host nothing moves.
+``scatter``     ``synk.scatter(v, value)``: each rank gets its half (engine: through the master).
+``all_reduce``  ``synk.all_reduce(v)`` of a shared variable of that size per rank (engine: the master
+                reads every rank's value and sets the sum).
+``in-graph``    a function whose update is ``synk.ops.all_reduce(v)``: JAX's all-reduce inside the
+                program (gloo over TCP on both runs: the same path).
+
+    python benchmarks/bench_multinode.py                 # 1, 16, 64 MiB (about a minute on 2 cores)
+    python benchmarks/bench_multinode.py --sizes 1 4     # other sizes (MiB)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+REPS = 5
+KINDS = ("call rows", "scatter", "all_reduce", "in-graph")
+
+
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    fn()  # compile, allocate
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(sizes_mib: list[float], reps: int) -> dict[tuple[str, float], float]:
+    """Seconds per operation, by (kind, MiB), in the run that is forked now."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+
+    cols = 1024
+    seconds: dict[tuple[str, float], float] = {}
+    for mib in sizes_mib:
+        n_rows = max(2, int(mib * 2**20 / 8 / cols) // 2 * 2)
+        value = np.random.default_rng(0).normal(size=(n_rows, cols))
+        x = pt.matrix("x")
+        f = synk.function([x], outputs=(pt.sum(x), "sum"))
+        data = synk.data(value)
+        seconds[("call rows", mib)] = timed(lambda: f(data), reps)
+        v = pytensor.shared(np.zeros((n_rows // 2, cols)), name="v")
+        g = synk.function([x], outputs=pt.sum(v) + pt.sum(x))
+        w = pytensor.shared(np.ones((n_rows, cols)), name="w")
+        h = synk.function([], updates=[(w, synk.ops.all_reduce(w, "avg"))])
+        synk.distribute()
+        del g
+        seconds[("scatter", mib)] = timed(lambda: synk.scatter(v, value), reps)
+        seconds[("all_reduce", mib)] = timed(lambda: synk.all_reduce(w, op="avg"), reps)
+        seconds[("in-graph", mib)] = timed(h, reps)
+    return seconds
+
+
+@contextlib.contextmanager
+def one_host() -> Iterator[None]:
+    import synkhronos as synk
+
+    synk.fork(2, use_gpu=False, engine="jax")
+    try:
+        yield
+    finally:
+        synk.close()
+
+
+@contextlib.contextmanager
+def two_hosts() -> Iterator[None]:
+    import synkhronos as synk
+    from synkhronos.launch import LocalNodes
+
+    with LocalNodes(nnodes=2, nproc_per_node=1, here=1):
+        synk.fork(use_gpu=False)
+        yield
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1, 16, 64], help="MiB per value")
+    parser.add_argument("--reps", type=int, default=REPS)
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from machine import cpu_model
+
+    results = {}
+    for name, run in (("one host", one_host), ("two hosts", two_hosts)):
+        with run():
+            results[name] = measure(args.sizes, args.reps)
+    print(f"# {cpu_model()}, {len(os.sched_getaffinity(0))} cores; 2 ranks, JAX engine, CPU mode; "
+          f"median of {args.reps}; MB/s (ms)")
+    print("| operation | MiB | one host (shared memory) | two hosts (pyzmq, localhost) | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for kind in KINDS:
+        for mib in args.sizes:
+            nbytes = max(2, int(mib * 2**20 / 8 / 1024) // 2 * 2) * 1024 * 8
+            a, b = results["one host"][(kind, mib)], results["two hosts"][(kind, mib)]
+            print(f"| {kind} | {mib:g} | {nbytes / a / 1e6:,.0f} ({a * 1e3:.2f}) | {nbytes / b / 1e6:,.0f} "
+                  f"({b * 1e3:.2f}) | {b / a:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
