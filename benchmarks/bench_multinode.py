@@ -19,6 +19,8 @@ the value / seconds (1 MB = 1e6 bytes):
 ``in-graph``    a function whose update is ``synk.ops.all_reduce(v)``: JAX's all-reduce inside the
                 program (gloo over TCP on both runs: the same path).
 
+And the tiny call (the sum of 8 floats from a ``synk.data``, one program), median of 300, in us.
+
     python benchmarks/bench_multinode.py                 # 1, 16, 64 MiB (about a minute on 2 cores)
     python benchmarks/bench_multinode.py --sizes 1 4     # other sizes (MiB)
 """
@@ -75,6 +77,9 @@ def measure(sizes_mib: list[float], reps: int) -> dict[tuple[str, float], float]
         seconds[("scatter", mib)] = timed(lambda: synk.scatter(v, value), reps)
         seconds[("all_reduce", mib)] = timed(lambda: synk.all_reduce(w, op="avg"), reps)
         seconds[("in-graph", mib)] = timed(h, reps)
+    tiny = synk.data(np.ones((2, 4)))
+    f = synk.function([x], outputs=(pt.sum(x), "sum"))
+    seconds[("tiny", 0)] = timed(lambda: f(tiny), 300)
     return seconds
 
 
@@ -115,6 +120,8 @@ def main() -> None:
           f"median of {args.reps}; MB/s (ms)")
     print("| operation | MiB | one host (shared memory) | two hosts (pyzmq, localhost) | ratio |")
     print("|---|---:|---:|---:|---:|")
+    a, b = results["one host"][("tiny", 0)], results["two hosts"][("tiny", 0)]
+    print(f"| tiny call (us) | - | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f}x |")
     for kind in KINDS:
         for mib in args.sizes:
             nbytes = max(2, int(mib * 2**20 / 8 / 1024) // 2 * 2) * 1024 * 8

@@ -35,8 +35,10 @@ Failure, within :data:`HOST_TIMEOUT_S` (3 s) and no hang
     next group.  An agent whose master is gone (its connection drops) stops its workers and exits
     with status 1; when the master's process ends normally, every agent exits with status 0.
 
-Example (the master side; each other host runs ``Agent(address, node, nproc).serve()``)
+Example
 -------
+The master's side; each other host runs ``Agent(address, node, nproc).serve()``.
+
 >>> hub = Hub("tcp://*:29500")                                 # doctest: +SKIP
 >>> group = SpanGroup.start(hub, nnodes=2, nproc=2)              # doctest: +SKIP
 """
