@@ -52,31 +52,45 @@ def timed(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(sizes_mib: list[float], reps: int) -> dict[tuple[str, float], float]:
-    """Seconds per operation, by (kind, MiB), in the run that is forked now."""
+def nbytes_of(mib: float, cols: int = 1024) -> tuple[int, int]:
+    """(rows, bytes) of a float64 value of about ``mib`` MiB with ``cols`` columns (rows even)."""
+    rows = max(2, int(mib * 2**20 / 8 / cols) // 2 * 2)
+    return rows, rows * cols * 8
+
+
+def measure_size(mib: float, reps: int) -> dict[str, float]:
+    """Seconds per operation on a value of ``mib`` MiB, in the run that is forked now."""
     import pytensor
     import pytensor.tensor as pt
 
     import synkhronos as synk
 
-    cols = 1024
+    n_rows, _ = nbytes_of(mib)
+    value = np.random.default_rng(0).normal(size=(n_rows, 1024))
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=(pt.sum(x), "sum"))
+    data = synk.data(value)
+    v = pytensor.shared(np.zeros((n_rows // 2, 1024)), name="v")
+    synk.function([x], outputs=pt.sum(v) + pt.sum(x))  # v reaches the workers
+    w = pytensor.shared(np.ones((n_rows, 1024)), name="w")
+    h = synk.function([], updates=[(w, synk.ops.all_reduce(w, "avg"))])
+    synk.distribute()
+    return {"call rows": timed(lambda: f(data), reps),
+            "scatter": timed(lambda: synk.scatter(v, value), reps),
+            "all_reduce": timed(lambda: synk.all_reduce(w, op="avg"), reps),
+            "in-graph": timed(h, reps)}
+
+
+def measure(sizes_mib: list[float], reps: int) -> dict[tuple[str, float], float]:
+    """Seconds per operation, by (kind, MiB), and the tiny call's as ("tiny", 0)."""
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+
     seconds: dict[tuple[str, float], float] = {}
     for mib in sizes_mib:
-        n_rows = max(2, int(mib * 2**20 / 8 / cols) // 2 * 2)
-        value = np.random.default_rng(0).normal(size=(n_rows, cols))
-        x = pt.matrix("x")
-        f = synk.function([x], outputs=(pt.sum(x), "sum"))
-        data = synk.data(value)
-        seconds[("call rows", mib)] = timed(lambda: f(data), reps)
-        v = pytensor.shared(np.zeros((n_rows // 2, cols)), name="v")
-        g = synk.function([x], outputs=pt.sum(v) + pt.sum(x))
-        w = pytensor.shared(np.ones((n_rows, cols)), name="w")
-        h = synk.function([], updates=[(w, synk.ops.all_reduce(w, "avg"))])
-        synk.distribute()
-        del g
-        seconds[("scatter", mib)] = timed(lambda: synk.scatter(v, value), reps)
-        seconds[("all_reduce", mib)] = timed(lambda: synk.all_reduce(w, op="avg"), reps)
-        seconds[("in-graph", mib)] = timed(h, reps)
+        seconds.update({(kind, mib): t for kind, t in measure_size(mib, reps).items()})
+    x = pt.matrix("x")
     tiny = synk.data(np.ones((2, 4)))
     f = synk.function([x], outputs=(pt.sum(x), "sum"))
     seconds[("tiny", 0)] = timed(lambda: f(tiny), 300)
@@ -124,7 +138,7 @@ def main() -> None:
     print(f"| tiny call (us) | - | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f}x |")
     for kind in KINDS:
         for mib in args.sizes:
-            nbytes = max(2, int(mib * 2**20 / 8 / 1024) // 2 * 2) * 1024 * 8
+            nbytes = nbytes_of(mib)[1]
             a, b = results["one host"][(kind, mib)], results["two hosts"][(kind, mib)]
             print(f"| {kind} | {mib:g} | {nbytes / a / 1e6:,.0f} ({a * 1e3:.2f}) | {nbytes / b / 1e6:,.0f} "
                   f"({b * 1e3:.2f}) | {b / a:.2f}x |")

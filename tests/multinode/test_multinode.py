@@ -178,12 +178,13 @@ def test_a_rank_error_on_the_other_host_names_rank_and_host(ranks):
 
 
 def test_a_rank_error_in_one_program_closes_the_run_after_the_grace(ranks, other):
+    synk.close()
+    synk.fork(use_gpu=False)
     x = pt.matrix("x")
     f = synk.function([x], outputs=(pt.sum(Slow(0.0, fail_rank=2)(x)), "sum"))
-    assert f(synk.data(np.ones((6, 4)))) == 24.0  # even rows: one program over the 3 ranks
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # the first call of the run: each host learns the grace with the call
     with pytest.raises(WorkerError, match=f"rank 3 \\(host {HOST}\\) raised ") as info:
-        f(synk.data(-np.ones((6, 4))))  # the others wait in the program's collective for rank 2
+        f(synk.data(-np.ones((6, 4))))  # even rows: one program; the others wait in its psum for rank 2
     assert time.monotonic() - t0 < FAIL_S + 3
     assert "did not finish" in "".join(getattr(info.value, "__notes__", []))
     assert current().group.closed
@@ -272,3 +273,20 @@ def test_training_with_synk_lasagne_equals_the_single_process_step(ranks):
             for r in range(RANKS):
                 np.testing.assert_allclose(gathered[r], expected, rtol=1e-9, atol=1e-12,
                                            err_msg=f"step {step} ({len(idx)} rows): {p.name} in rank {r}")
+
+
+# --- the launcher's options --------------------------------------------------------------------------
+
+def test_the_launcher_reads_slurm(monkeypatch):
+    from synkhronos.launch import _parser, first_host
+
+    assert first_host("gpu[03-05,07],cpu1") == "gpu03" and first_host("a1,b2") == "a1"
+    for key in list(os.environ):
+        if key.startswith("SYNK_COORDINATOR"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_NNODES", "4")
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[007-010]")
+    args = _parser().parse_args(["train.py", "--epochs", "3"])
+    assert (args.nnodes, args.node_rank, args.coordinator) == (4, 2, "node007:29500")
+    assert args.script == "train.py" and args.args == ["--epochs", "3"]

@@ -443,6 +443,9 @@ class SpanGroup:
         (through their agents) and here; the body is the master's part; on exit every worker of
         every host has finished.  Errors: as there, with the rank in the span and its host."""
         self._require_usable()
+        if name not in self.local._command_names:  # before any host is told: the group stays usable
+            raise ValueError(f"no handler named {name!r} was registered in the workers; registered: "
+                             f"{', '.join(self.local._command_names)}")
         with self._watched():
             self._seq += 1
             seq = self._seq
@@ -460,9 +463,9 @@ class SpanGroup:
                 with self.local.command(name, payload):
                     try:
                         yield
-                    finally:
+                    finally:  # the master's part may have set abort_grace_s: it holds from here
                         for peer in self.peers:
-                            self.hub.send(peer, ("end", self.epoch, seq))
+                            self.hub.send(peer, ("end", self.epoch, seq, self._grace))
             except WorkerError as exc:
                 if self.local.closed:  # one program, stuck workers: fatal
                     self._abort("a worker failed")
@@ -830,6 +833,7 @@ class Agent:
                 g._check_workers()  # a worker that dies while the master's part goes on
                 continue
             if msg[0] == "end":
+                g.abort_grace_s = msg[3]
                 return
             if msg[0] != "coll":
                 raise RuntimeError(f"synk_comm.net: unexpected {msg[0]!r} during a command")
