@@ -167,6 +167,24 @@ def test_shared_variable_collectives(ranks):
     assert [shape for shape in synk.get_shapes(v)] == [(3, 3), (2, 3), (2, 3)]
 
 
+def test_batch_s_on_each_hosts_own_rows(ranks, caplog):
+    """Data kept on each host (sliceable shared variables, batch_s): one program when the windows
+    fit every rank (the ranks' shapes are compared across hosts), per rank otherwise."""
+    data = np.arange(18.0).reshape(9, 2)
+    s = pytensor.shared(np.zeros((0, 2)), name="S")
+    g = synk.function([], outputs=(s[:, 0], None), sliceable_shareds=[s])
+    total = synk.function([], outputs=(pt.sum(s), "sum"), sliceable_shareds=[s])
+    synk.scatter(s, data)  # rows 0-2, 3-5, 6-8
+    with caplog.at_level("INFO", logger="synkhronos"):
+        np.testing.assert_array_equal(g(batch_s=slice(1, 3)), data[[1, 2, 4, 5, 7, 8], 0])
+        assert total(batch_s=slice(0, 2)) == data[[0, 1, 3, 4, 6, 7]].sum()
+    assert "per-rank" not in caplog.text, caplog.text  # one program over the 3 ranks
+    with caplog.at_level("INFO", logger="synkhronos"):
+        np.testing.assert_array_equal(g(batch_s=[[2], [0, 1], [2]]), data[[2, 3, 4, 8], 0])
+    assert "runs as per-rank programs" in caplog.text
+    assert total(num_slices=2) == data.sum()
+
+
 def test_a_rank_error_on_the_other_host_names_rank_and_host(ranks):
     x = pt.matrix("x")
     f = synk.function([x], outputs=(pt.sum(Slow(0.0, fail_rank=2)(x)), "sum"))

@@ -536,8 +536,23 @@ class SpanGroup:
         return self
 
     def all_gather(self, array: np.ndarray) -> list[np.ndarray]:
-        raise NotImplementedError("an all_gather between the master and the workers of several hosts is not relayed: "
-                                  "the workers' own collectives across hosts belong to the distributed runtime")
+        """Every rank of every host gets every rank's array, in rank order (the master's first).
+
+        Two steps on each host: its master (this process, or the host's agent) gathers the host's
+        arrays, the hosts exchange them through this master, and each host's master broadcasts
+        the whole list to its workers (:meth:`synk_comm.shm_collectives.ShmCollectives.all_gather`
+        of a group that spans hosts).  For small arrays (shapes, flags): everything goes through
+        the master.
+        """
+        self._require_usable()
+        mine, others = self._relay("all_gather", lambda: self.local.host.gather(array, root=0))
+        everything = list(mine or [])
+        for part in others:
+            everything.extend(part)
+        for peer in self.peers:
+            self.hub.send(peer, ("coll", self.epoch, self._seq, "all_gather:result", everything))
+        self.local.host.broadcast_object(everything, root=0)
+        return everything
 
     # -- shutdown ----------------------------------------------------------------------------------
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
@@ -844,6 +859,11 @@ class Agent:
             elif what == "gather_object":
                 result = g.gather_object(None)
                 self._send(("coll", self.epoch, seq, list(result or [])[1:]))
+            elif what == "all_gather":  # see SpanGroup.all_gather
+                parts = g.host.gather(np.empty(0), root=0)
+                self._send(("coll", self.epoch, seq, list(parts or [])[1:]))
+            elif what == "all_gather:result":
+                g.host.broadcast_object(msg[4], root=0)
             else:
                 raise RuntimeError(f"synk_comm.net: unknown collective {what!r}")
 

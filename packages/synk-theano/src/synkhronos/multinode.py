@@ -24,8 +24,6 @@ Environment (set by the launcher on node 0)
     ``SYNK_NNODES``, ``SYNK_NPROC_PER_NODE`` (node 0's workers), ``SYNK_COORDINATOR`` (``HOST:PORT``).
 
 Limits
-    Calls of functions with sliceable shared variables (``batch_s``) run per rank across hosts
-    (the one-program path compares the ranks' shapes through a shared-memory all-gather).
     GPU mode is the same code with NCCL inside JAX; it is untested beyond one host here.
 """
 

@@ -68,8 +68,6 @@ def per_rank_reason(rep: Replica, plan: CallPlan) -> str | None:
         return f"uneven shares ({total} rows over {len(plan.positions)} ranks)"
     if rep.uses_random_state:
         return "it uses a random generator shared variable"
-    if spec.sliceable and _spans_hosts():
-        return "sliceable shared variables on several hosts (their shapes are compared on one host only)"
     if spec.sliceable:
         found = window(plan)
         if found is None:
@@ -78,13 +76,6 @@ def per_rank_reason(rep: Replica, plan: CallPlan) -> str | None:
         if spec.inputs and counts != {found[1]}:
             return "the batch_s rows differ from the scattered rows"
     return None
-
-
-def _spans_hosts() -> bool:
-    from synkhronos.runtime import current
-
-    rt = current()
-    return rt is not None and bool(getattr(rt.group, "spans_hosts", False))
 
 
 def window(plan: CallPlan) -> tuple[list[int], int] | None:
