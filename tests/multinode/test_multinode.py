@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -266,6 +267,52 @@ def test_a_killed_launcher_on_the_other_host(ranks, other):
     assert synk.fork(use_gpu=False) == RANKS
     x = pt.matrix("x")
     assert synk.function([x], outputs=(pt.sum(x), "sum"))(synk.data(np.ones((6, 4)))) == 24.0
+
+
+MASTER = """
+import sys, time
+import numpy as np, pytensor.tensor as pt
+import synkhronos as synk
+from synkhronos.launch import LocalNodes
+nodes = LocalNodes(nnodes=2, nproc_per_node=1, here=1).__enter__()
+synk.fork(use_gpu=False)
+x = pt.matrix("x")
+print(synk.function([x], outputs=(pt.sum(x), "sum"))(synk.data(np.ones((4, 2)))), nodes.procs[1].pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_master_ends_the_other_hosts_launcher(tmp_path):
+    script = tmp_path / "master.py"
+    script.write_text(MASTER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNK_")}
+    master = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = [""]
+        while line and line[0] != "8.0":  # the workers' gloo says hello on the same stdout
+            line = master.stdout.readline().split()
+        assert line, "the master script ended early"
+        launcher = int(line[1])
+        workers = worker_pids(launcher)
+        assert workers
+        master.kill()
+        t0 = time.monotonic()
+        assert wait_until(lambda: not os.path.exists(f"/proc/{launcher}") or _zombie(launcher), FAIL_S)
+        assert time.monotonic() - t0 < FAIL_S
+        assert wait_until(lambda: not any(os.path.exists(f"/proc/{w}") and not _zombie(w) for w in workers))
+        assert wait_until(lambda: not [e for e in os.listdir("/dev/shm") if f"-{launcher}-" in e])
+    finally:
+        master.kill()
+        master.wait()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 # --- training ---------------------------------------------------------------------------------------
