@@ -88,6 +88,7 @@ def measure(sizes_mib: list[float], reps: int) -> dict[tuple[str, float], float]
     import synkhronos as synk
 
     seconds: dict[tuple[str, float], float] = {}
+    measure_size(0.25, 2)  # warm-up (the run's first calls are slower), not reported
     for mib in sizes_mib:
         seconds.update({(kind, mib): t for kind, t in measure_size(mib, reps).items()})
     x = pt.matrix("x")

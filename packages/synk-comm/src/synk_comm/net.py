@@ -395,7 +395,7 @@ class SpanGroup:
         if kind == "died":
             rank, pid, returncode, detail = info
             self._abort(f"rank {rank} on host {peer.host} died")
-            raise WorkerDiedError(rank, pid, returncode, f" (on host {peer.host}){detail}")
+            raise WorkerDiedError(rank, pid, returncode, f" It ran on host {peer.host}.{detail}")
         errors, note = info
         self._abort(f"a worker on host {peer.host} failed")
         exc = WorkerError(errors)
