@@ -181,8 +181,9 @@ def _default_nproc() -> int:
 
 def _parser() -> argparse.ArgumentParser:
     env = os.environ
-    parser = argparse.ArgumentParser(prog="python -m synkhronos.launch", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m synkhronos.launch",
+                                     description="One Synkhronos run over several hosts: run this on every host; "
+                                                 "node 0 runs the script (docs/guides/multinode.rst).")
     parser.add_argument("--nnodes", type=int, default=int(env.get("SLURM_NNODES", "1")),
                         help="hosts in the run (default: SLURM_NNODES, else 1)")
     parser.add_argument("--node-rank", type=int, default=int(env.get("SLURM_NODEID", "0")),
