@@ -7,6 +7,8 @@ Two runs of 2 ranks each on the JAX engine in CPU mode, one after the other in t
 ``two hosts``  :class:`synkhronos.launch.LocalNodes`: one worker here, one on a simulated host (a
                launcher of its own, with its own shared memory): everything for the other host's rank goes
                through pyzmq over TCP on localhost (the master's hub, its agent) before its shared memory.
+               Each "host" on its own half of the cores (``split_cores``); on one host, each of the
+               2 workers has 1 XLA thread per core of its share too (the engine's default).
 
 Measured per size (float64, MiB of the whole value), median of ``REPS`` repetitions, MB/s = bytes of
 the value / seconds (1 MB = 1e6 bytes):
@@ -114,7 +116,7 @@ def two_hosts() -> Iterator[None]:
     import synkhronos as synk
     from synkhronos.launch import LocalNodes
 
-    with LocalNodes(nnodes=2, nproc_per_node=1, here=1):
+    with LocalNodes(nnodes=2, nproc_per_node=1, here=1, split_cores=True):
         synk.fork(use_gpu=False)
         yield
 

@@ -99,15 +99,28 @@ class LocalNodes:
         The coordinator's port (default: a free pair of ports).
     log : file, optional
         Where the launchers' output goes (default: discarded).
+    split_cores : bool
+        Give each simulated host its own share of this machine's cores (this process and its
+        workers the first, until the end of the ``with``), as separate machines would have: for
+        measurements.  Default: every process may use every core.
     """
 
     def __init__(self, nnodes: int = 2, nproc_per_node: int = 1, here: int = 1, port: int | None = None,
-                 log: IO[bytes] | None = None) -> None:
+                 log: IO[bytes] | None = None, split_cores: bool = False) -> None:
         self.nnodes, self.nproc, self.here = nnodes, nproc_per_node, here
         self.port = port or free_port_pair()
         self.log = log
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self._saved: dict[str, str | None] = {}
+        self._cores: list[list[int]] | None = None
+        self._affinity: set[int] | None = None
+        if split_cores:
+            from synk_comm import cores as cores_mod
+
+            available = cores_mod.available()
+            if len(available) < nnodes:
+                raise ValueError(f"split_cores: {nnodes} hosts on {len(available)} cores")
+            self._cores = cores_mod.split(available, nnodes)
 
     @staticmethod
     def host_name(node: int) -> str:
@@ -121,6 +134,10 @@ class LocalNodes:
         cmd = [sys.executable, "-m", "synkhronos.launch", "--nnodes", str(self.nnodes), "--node-rank", str(node),
                "--nproc-per-node", str(self.nproc), "--coordinator", f"127.0.0.1:{self.port}",
                "--host-name", self.host_name(node)]
+        if self._cores is not None:  # the launcher (and so its workers) on the host's own cores
+            cmd[1:3] = ["-c", f"import os, runpy, sys; os.sched_setaffinity(0, {self._cores[node]!r}); "
+                              f"sys.argv[0] = 'synkhronos.launch'; runpy.run_module('synkhronos.launch', "
+                              "run_name='__main__', alter_sys=True)"]
         out = self.log if self.log is not None else subprocess.DEVNULL
         self.procs[node] = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)
@@ -134,6 +151,9 @@ class LocalNodes:
         os.environ.update({NNODES_ENV: str(self.nnodes), NPROC_ENV: str(self.here),
                            COORDINATOR_ENV: f"127.0.0.1:{self.port}"})
         multinode.reset()
+        if self._cores is not None:
+            self._affinity = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self._cores[0])
         for node in range(1, self.nnodes):
             self.start(node)
         return self
@@ -161,6 +181,8 @@ class LocalNodes:
         try:
             self.stop()
         finally:
+            if self._affinity is not None:
+                os.sched_setaffinity(0, self._affinity)
             for key, value in self._saved.items():
                 if value is None:
                     os.environ.pop(key, None)
