@@ -89,9 +89,8 @@ def test_a_workers_error_names_its_rank_and_host_and_the_group_goes_on(span):
     with pytest.raises(synk_comm.WorkerError, match=r"rank 3 \(host .+\) raised ValueError: rank 3 fails") as info:
         group.run(h.FAIL, 3)
     assert info.value.ranks == [3]
-    with pytest.raises(ValueError, match="no handler named"):
-        with group.command("net.nothing"):
-            pass
+    with pytest.raises(ValueError, match="no handler named"), group.command("net.nothing"):
+        pass
     with group.command(h.RANK, 1):
         pass
     assert sorted(group.replies()) == [1, 2, 3]
@@ -104,9 +103,9 @@ def test_a_killed_agent_is_reported_by_host_within_the_timeout():
             pass
         there = int(group.replies()[2][0][0])
         t0 = time.monotonic()
-        with pytest.raises(synk_comm.HostLostError, match=r"host .+ \(ranks 2\) was lost") as info:
-            with group.command(h.SLEEP, 30.0):
-                agent.kill()
+        lost = pytest.raises(synk_comm.HostLostError, match=r"host .+ \(ranks 2\) was lost")
+        with lost as info, group.command(h.SLEEP, 30.0):
+            agent.kill()
         assert time.monotonic() - t0 < net.HOST_TIMEOUT_S + 2
         assert info.value.ranks == [2] and isinstance(info.value, synk_comm.WorkerDiedError)
         assert group.closed
