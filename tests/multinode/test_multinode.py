@@ -355,3 +355,21 @@ def test_the_launcher_reads_slurm(monkeypatch):
     args = _parser().parse_args(["train.py", "--epochs", "3"])
     assert (args.nnodes, args.node_rank, args.coordinator) == (4, 2, "node007:29500")
     assert args.script == "train.py" and args.args == ["--epochs", "3"]
+
+
+def test_gpu_modes_code_across_hosts_on_emulated_gpus(monkeypatch):
+    """GPU mode's code (the engine on one device per rank, each host its own devices) on JAX's CPU
+    backend (``SYNK_EMULATE_GPUS``): 2 hosts of 1 emulated GPU."""
+    if current() is not None:
+        synk.close()
+    monkeypatch.setenv("SYNK_EMULATE_GPUS", "1")
+    with LocalNodes(nnodes=2, nproc_per_node=1, here=1) as nodes:
+        assert synk.fork(use_gpu=True) == 2
+        x = pt.matrix("x")
+        w = pytensor.shared(np.ones(3), name="w")
+        f = synk.function([x], outputs=[(pt.sum(x @ w), "sum"), pt.mean(x)], updates=[(w, w * 2)])
+        value = np.arange(12.0).reshape(4, 3)
+        total, mean = f(synk.data(value))
+        np.testing.assert_allclose([total, mean], [value.sum(), value.mean()])
+        np.testing.assert_array_equal(synk.gather(w, nd_up=1), np.full((2, 3), 2.0))
+        assert nodes.stop() == {1: 0}

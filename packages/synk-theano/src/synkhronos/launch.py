@@ -62,6 +62,11 @@ def first_host(nodelist: str) -> str:
     return prefix + re.split(r"[-,]", ranges)[0]
 
 
+_RUN_ENV = {"SYNK_RUN_PREFIX", "SYNK_GROUP_PREFIX", "SYNK_RANK", "SYNK_SIZE", "SYNK_MASTER_RANK", "SYNK_MASTER_PID",
+            "SYNK_SCRATCH_SIZE", "SYNK_SPAN_OFFSET", "SYNK_SPAN_SIZE", NNODES_ENV, NPROC_ENV, COORDINATOR_ENV}
+"""What a simulated host's launcher does not inherit from this process (a run of its own)."""
+
+
 def free_port_pair() -> int:
     """A port ``p`` with ``p`` and ``p + 1`` free now on 127.0.0.1 (the master's and JAX's ports)."""
     for _ in range(50):
@@ -129,7 +134,7 @@ class LocalNodes:
 
     def start(self, node: int) -> subprocess.Popen[bytes]:
         """Start (or start again) node ``node``'s launcher."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SYNK_")}  # a run of its own
+        env = {k: v for k, v in os.environ.items() if k not in _RUN_ENV}  # a run of its own
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this machine: the master's modules
         cmd = [sys.executable, "-m", "synkhronos.launch", "--nnodes", str(self.nnodes), "--node-rank", str(node),
                "--nproc-per-node", str(self.nproc), "--coordinator", f"127.0.0.1:{self.port}",
