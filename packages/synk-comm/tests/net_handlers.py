@@ -17,6 +17,7 @@ GATHER = "net.gather"
 ALL_GATHER = "net.all_gather"
 BARRIER = "net.barrier"
 SLEEP = "net.sleep"
+ALL_REDUCE = "net.all_reduce"
 
 
 def span_rank(group: synk_comm.Group) -> int:
@@ -61,3 +62,18 @@ def _sleep(group: synk_comm.Group, seconds: float) -> None:
     if not group.is_master:
         group.reply([np.array([os.getpid()])])
         time.sleep(seconds)
+
+
+def rank_values(rank: int, n: int) -> np.ndarray:
+    """Rank ``rank``'s input of the all-reduce test (the master is rank 0)."""
+    return np.random.default_rng([rank, n]).normal(size=n)
+
+
+@synk_comm.handler(ALL_REDUCE)
+def _all_reduce(group: synk_comm.Group, payload: tuple[str, int]) -> np.ndarray:
+    op, n = payload
+    me = 0 if group.is_master else span_rank(group)
+    result = group.all_reduce(rank_values(me, n), op)
+    if not group.is_master:
+        group.reply([result])
+    return result

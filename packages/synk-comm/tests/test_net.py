@@ -84,6 +84,18 @@ def test_the_masters_collectives_reach_every_host(span):
     group.run(h.BARRIER)
 
 
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("n", [5, 300_000])
+def test_all_reduce_within_each_host_then_across_hosts(span, op, n):
+    group, _ = span
+    parts = np.stack([h.rank_values(r, n) for r in range(group.size)])
+    expected = {"sum": parts.sum(0), "avg": parts.mean(0), "max": parts.max(0)}[op]
+    result = group.run(h.ALL_REDUCE, (op, n))
+    np.testing.assert_allclose(result, expected, rtol=1e-12, atol=1e-14)  # the hosts group the sum
+    for rank, reply in group.replies().items():  # the same bits everywhere
+        np.testing.assert_array_equal(reply[0], result, err_msg=f"rank {rank}")
+
+
 def test_a_workers_error_names_its_rank_and_host_and_the_group_goes_on(span):
     group, _ = span
     with pytest.raises(synk_comm.WorkerError, match=r"rank 3 \(host .+\) raised ValueError: rank 3 fails") as info:

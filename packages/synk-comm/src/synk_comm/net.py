@@ -63,6 +63,8 @@ import numpy as np
 
 from synk_comm import group as group_mod
 from synk_comm.errors import GroupBrokenError, HostLostError, RemoteError, WorkerDiedError, WorkerError
+from synk_comm.ops import ReduceOp, as_op
+from synk_comm.shm_collectives import _reduce_into
 
 __all__ = ["Agent", "HEARTBEAT_S", "HOST_TIMEOUT_S", "Hub", "Peer", "SpanGroup", "relay"]
 
@@ -510,9 +512,9 @@ class SpanGroup:
         return result
 
     # -- the master's part of a command: collectives with the workers ------------------------------
-    def _relay(self, what: str, local: Callable[[], Any]) -> tuple[Any, list[Any]]:
+    def _relay(self, what: str, local: Callable[[], Any], *args: Any) -> tuple[Any, list[Any]]:
         for peer in self.peers:
-            self.hub.send(peer, ("coll", self.epoch, self._seq, what))
+            self.hub.send(peer, ("coll", self.epoch, self._seq, what, *args))
         mine = local()
         return mine, [self._next(peer, "coll")[3] for peer in self.peers]
 
@@ -553,6 +555,34 @@ class SpanGroup:
             self.hub.send(peer, ("coll", self.epoch, self._seq, "all_gather:result", everything))
         self.local.host.broadcast_object(everything, root=0)
         return everything
+
+    def all_reduce(self, array: Any, op: ReduceOp | str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
+        """Every rank of every host gets ``op`` over every rank's array (the master's included):
+        within each host through shared memory, then across hosts through this master.
+
+        Three steps: each host's master (this process, or the host's agent) gathers its host's
+        arrays through shared memory and reduces them (rank order); the agents send their host's
+        partial result here, where the partials are reduced (host order, so in rank order for
+        ``sum``/``prod`` up to the grouping); the result goes back to every host's master, which
+        broadcasts it through shared memory.  Across hosts one array per host travels each way.
+        ``avg``: the sum over every rank divided by :attr:`size`.  Every rank gets the same bits.
+        """
+        self._require_usable()
+        a = np.asarray(array)
+        rop = as_op(op, a.dtype)
+        local_op = ReduceOp.SUM if rop is ReduceOp.AVG else rop
+        mine, partials = self._relay("all_reduce", lambda: self.local.host.gather(a, root=0), local_op.value)
+        parts = [*(mine or []), *(p for p in partials if p is not None)]
+        if any(p.shape != a.shape or p.dtype != a.dtype for p in parts):
+            shapes = sorted({(p.shape, str(p.dtype)) for p in parts})
+            raise ValueError(f"all_reduce: every rank must give the same shape and dtype; got {shapes}")
+        result = _reduce_into(local_op, parts, np.empty_like(a) if out is None else out)
+        if rop is ReduceOp.AVG:
+            np.divide(result, self.size, out=result)
+        for peer in self.peers:
+            self.hub.send(peer, ("coll", self.epoch, self._seq, "all_reduce:result", result))
+        self.local.host.broadcast(result, root=0)
+        return result
 
     # -- shutdown ----------------------------------------------------------------------------------
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
@@ -864,6 +894,12 @@ class Agent:
                 self._send(("coll", self.epoch, seq, list(parts or [])[1:]))
             elif what == "all_gather:result":
                 g.host.broadcast_object(msg[4], root=0)
+            elif what == "all_reduce":  # see SpanGroup.all_reduce: this host's partial result
+                parts = list(g.host.gather(np.empty(0), root=0) or [])[1:]
+                partial = _reduce_into(ReduceOp(msg[4]), parts, np.empty_like(parts[0])) if parts else None
+                self._send(("coll", self.epoch, seq, partial))
+            elif what == "all_reduce:result":
+                g.host.broadcast(msg[4], root=0)
             else:
                 raise RuntimeError(f"synk_comm.net: unknown collective {what!r}")
 
