@@ -23,6 +23,13 @@ the value / seconds (1 MB = 1e6 bytes):
 
 And the tiny call (the sum of 8 floats from a ``synk.data``, one program), median of 300, in us.
 
+``--hierarchical``: an all-reduce over 2 hosts of 2 ranks, three ways (a second table): synk_comm's
+shared-memory all-reduce on one host (5 ranks, the master included), ``synk_comm.net``'s all-reduce
+over 2 simulated hosts (within each host through shared memory, then one array per host through the
+master over pyzmq; 5 ranks: the master, 2 workers here, 2 under a bare agent), and JAX's gloo
+all-reduce inside one program over the same 2 + 2 engine workers (``synk.ops.all_reduce``).  Each
+includes its command's overhead.
+
     python benchmarks/bench_multinode.py                 # 1, 16, 64 MiB (about a minute on 2 cores)
     python benchmarks/bench_multinode.py --sizes 1 4     # other sizes (MiB)
 """
@@ -40,7 +47,10 @@ from typing import Any
 
 import numpy as np
 
+import synk_comm
+
 REPS = 5
+ALL_REDUCE = "bench_multinode.all_reduce"
 KINDS = ("call rows", "scatter", "all_reduce", "in-graph")
 
 
@@ -100,6 +110,53 @@ def measure(sizes_mib: list[float], reps: int) -> dict[tuple[str, float], float]
     return seconds
 
 
+@synk_comm.handler(ALL_REDUCE)
+def _all_reduce(group: synk_comm.Group, n: int) -> None:
+    """Every rank (master included) all-reduces ``n`` float64 values."""
+    group.all_reduce(np.ones(n), "sum")
+
+
+def hierarchical(sizes_mib: list[float], reps: int) -> dict[tuple[str, float], float]:
+    """Seconds per all-reduce, by (way, MiB): see the module docstring."""
+    import subprocess
+
+    import pytensor
+
+    import synkhronos as synk
+    from synk_comm import net
+    from synkhronos.launch import LocalNodes, free_port_pair
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sizes = {mib: int(mib * 2**20 / 8) for mib in sizes_mib}
+    seconds: dict[tuple[str, float], float] = {}
+    group = synk_comm.start(5, imports=["bench_multinode"])
+    try:
+        for mib, n in sizes.items():
+            seconds[("shm, one host", mib)] = timed(lambda n=n: group.run(ALL_REDUCE, n), reps)
+    finally:
+        group.close()
+    port = free_port_pair()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *sys.path[1:]]))
+    env.pop("SYNK_RUN_PREFIX", None)
+    agent = subprocess.Popen([sys.executable, "-m", "synk_comm.net", f"tcp://127.0.0.1:{port}", "1", "2"], env=env)
+    hub = net.Hub(f"tcp://127.0.0.1:{port}")
+    try:
+        span = net.SpanGroup.start(hub, nnodes=2, nproc=2, imports=["bench_multinode"], timeout=60)
+        for mib, n in sizes.items():
+            seconds[("synk_comm.net", mib)] = timed(lambda n=n: span.run(ALL_REDUCE, n), reps)
+        span.close()
+    finally:
+        hub.shutdown()
+        agent.wait(15)
+    with LocalNodes(nnodes=2, nproc_per_node=2, here=2):
+        synk.fork(use_gpu=False)
+        for mib, n in sizes.items():
+            w = pytensor.shared(np.ones(n), name="w")
+            h = synk.function([], updates=[(w, synk.ops.all_reduce(w, "sum"))])
+            seconds[("gloo in-graph", mib)] = timed(h, reps)
+    return seconds
+
+
 @contextlib.contextmanager
 def one_host() -> Iterator[None]:
     import synkhronos as synk
@@ -125,9 +182,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 16, 64], help="MiB per value")
     parser.add_argument("--reps", type=int, default=REPS)
+    parser.add_argument("--hierarchical", action="store_true", help="the all-reduce of 2 hosts x 2 ranks, 3 ways")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from machine import cpu_model
+
+    if args.hierarchical:
+        found = hierarchical(args.sizes, args.reps)
+        ways = ("shm, one host", "synk_comm.net", "gloo in-graph")
+        print(f"# {cpu_model()}, {len(os.sched_getaffinity(0))} cores; all-reduce (sum) of float64; median of "
+              f"{args.reps}; MB/s of the value (ms)")
+        print("| MiB | shm, one host (5 ranks) | synk_comm.net, 2 hosts (1 + 2 + 2) "
+              "| gloo in one program, 2 hosts (2 + 2) |")
+        print("|---:|---:|---:|---:|")
+        for mib in args.sizes:
+            cells = [f"{mib * 2**20 / found[(w, mib)] / 1e6:,.0f} ({found[(w, mib)] * 1e3:.2f})" for w in ways]
+            print(f"| {mib:g} | " + " | ".join(cells) + " |")
+        return
 
     results = {}
     for name, run in (("one host", one_host), ("two hosts", two_hosts)):
