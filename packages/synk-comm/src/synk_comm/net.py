@@ -7,8 +7,8 @@ data through shared memory).  Between hosts, this module relays the master's com
   ``tcp://*:PORT``) and drives a :class:`SpanGroup`: its own host's group (node 0's workers) and one
   :class:`Peer` per other host.  A :class:`SpanGroup` offers the master's side of a
   :class:`~synk_comm.Group` (``command``, ``run``, ``replies``, ``scratch``, ``barrier``,
-  ``gather_object``, ``close``), with the ranks of every host: node 0's workers first, then each
-  other node's in node order.
+  ``gather_object``, ``all_gather``, ``all_reduce``, ``close``), with the ranks of every host: node
+  0's workers first, then each other node's in node order.
 * On every other host a **node agent** (:class:`Agent`, a DEALER socket connected to the hub)
   starts that host's workers as its own shared-memory group (its own shared-memory names), in
   which the agent plays the master: it replays each command of the master into its group (the
@@ -16,9 +16,11 @@ data through shared memory).  Between hosts, this module relays the master's com
   and sends back its workers' replies and errors.  The workers learn their ranks in the span from
   their environment (:attr:`Group.span_offset`, :attr:`Group.span_size`).
 
-Nothing computes over this module's sockets: the ranks' collectives across hosts belong to an
-existing distributed runtime (synkhronos' engine: JAX's, NCCL across hosts on GPU, gloo on CPU).
-Messages are pickles (protocol 5, numpy arrays as out-of-band frames: no copy into the pickle).
+Collectives of the workers of every host: ``all_gather`` and ``all_reduce`` of a group spanning
+hosts go through each host's master (shared memory within the host, one array per host over
+pyzmq); fast collectives across hosts belong to an existing distributed runtime (synkhronos' engine:
+JAX's, NCCL across hosts on GPU, gloo on CPU).  Messages are pickles (protocol 5, numpy arrays as
+out-of-band frames: no copy into the pickle).
 
 Relay hooks (:func:`relay`) let a framework rewrite a command for another host: the master's hook
 gives each host its own payload and extra data (e.g. the input rows its ranks read), the agent's
