@@ -66,7 +66,9 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         ``SYNK_CPU_RANKS`` if set, else :func:`synkhronos.cpu.default_ranks` of the cores in
         ``os.sched_getaffinity(0)`` (one per core up to 4 cores, else one per 4 cores, at
         least 4).  In CPU mode, ranks get disjoint sets of cores (``SYNK_CPU_PIN=0``: not
-        pinned) and compile with JAX when it is installed (see :mod:`synkhronos.cpu`).
+        pinned) and compile with JAX when it is installed (see :mod:`synkhronos.cpu`).  Under
+        ``python -m synkhronos.launch`` over several hosts: every host's ranks, on the JAX
+        engine (:mod:`synkhronos.multinode`; given, it must equal their number).
     use_gpu : bool, optional
         None: GPU mode on a machine with GPUs, else CPU mode.  False: CPU mode with
         ``n_parallel`` worker processes.  True: GPU mode (an error without GPUs).
