@@ -340,6 +340,17 @@ def test_training_with_synk_lasagne_equals_the_single_process_step(ranks):
                                            err_msg=f"step {step} ({len(idx)} rows): {p.name} in rank {r}")
 
 
+def test_a_host_that_never_connects_is_named(monkeypatch):
+    if current() is not None:
+        synk.close()
+    monkeypatch.setenv("SYNK_CONNECT_TIMEOUT_S", "1")
+    nodes = LocalNodes(nnodes=3, nproc_per_node=1, here=1)
+    nodes.start = lambda node: None  # node 1 and node 2 never come
+    with nodes, pytest.raises(TimeoutError, match=r"node\(s\) \[1, 2\] did not connect"):
+        synk.fork(use_gpu=False)
+    assert current() is None and not worker_pids()
+
+
 # --- the launcher's options --------------------------------------------------------------------------
 
 def test_the_launcher_reads_slurm(monkeypatch):

@@ -76,8 +76,14 @@ HEARTBEAT_S = float(os.environ.get("SYNK_NET_HEARTBEAT_S", "0.25"))
 """Seconds between two heartbeats of an agent."""
 HOST_TIMEOUT_S = float(os.environ.get("SYNK_HOST_TIMEOUT_S", "3"))
 """Seconds without a heartbeat after which the master counts a host as lost."""
-CONNECT_TIMEOUT_S = float(os.environ.get("SYNK_CONNECT_TIMEOUT_S", "300"))
-"""Seconds the master waits for every agent at a fork, and an agent for its master."""
+CONNECT_TIMEOUT_S = 300.0
+"""Seconds the master waits for every agent at a fork, and an agent for its master (default of
+:func:`connect_timeout`)."""
+
+
+def connect_timeout() -> float:
+    """``SYNK_CONNECT_TIMEOUT_S`` (read when used), else :data:`CONNECT_TIMEOUT_S`."""
+    return float(os.environ.get("SYNK_CONNECT_TIMEOUT_S", "") or CONNECT_TIMEOUT_S)
 CLOSE_TIMEOUT_S = 10.0
 POLL_S = 0.05
 PROTOCOL = 1
@@ -239,8 +245,16 @@ class Hub:
                 peer.inbox.append(msg)
         return got
 
-    def wait_nodes(self, nodes: Sequence[int], timeout: float = CONNECT_TIMEOUT_S) -> list[Peer]:
-        """The peers of ``nodes`` once each has sent a heartbeat since this call (in node order)."""
+    def wait_nodes(self, nodes: Sequence[int], timeout: float | None = None) -> list[Peer]:
+        """The peers of ``nodes`` once each has sent a heartbeat since this call (in node order),
+        waiting up to ``timeout`` seconds (default :func:`connect_timeout`).
+
+        Raises
+        ------
+        TimeoutError
+            Naming the nodes that did not connect.
+        """
+        timeout = connect_timeout() if timeout is None else timeout
         start = time.monotonic()
         deadline = start + timeout
         while True:
@@ -305,7 +319,7 @@ class SpanGroup:
     # -- start -------------------------------------------------------------------------------------
     @classmethod
     def start(cls, hub: Hub, nnodes: int, nproc: int, *, spec: dict[str, Any] | None = None,
-              timeout: float = CONNECT_TIMEOUT_S, **start_kwargs: Any) -> SpanGroup:
+              timeout: float | None = None, **start_kwargs: Any) -> SpanGroup:
         """Wait for the agents of nodes ``1..nnodes-1``, start node 0's ``nproc`` workers here
         (:func:`synk_comm.start` with ``start_kwargs``) and each other node's through its agent.
 
@@ -737,6 +751,7 @@ class Agent:
         self._connect()
         log.info("synk_comm.net: node %d (%s) waiting for the master at %s", self.node, self.host, self.address)
         idle_since = time.monotonic()
+        patience = connect_timeout()
         try:
             while True:
                 try:
@@ -745,9 +760,9 @@ class Agent:
                     log.error("synk_comm.net: node %d: %s; stopping", self.node, exc)
                     return 1
                 if msg is None:
-                    if not self._connected and time.monotonic() - idle_since > CONNECT_TIMEOUT_S:
+                    if not self._connected and time.monotonic() - idle_since > patience:
                         log.error("synk_comm.net: node %d: no master at %s after %g s; stopping", self.node,
-                                  self.address, CONNECT_TIMEOUT_S)
+                                  self.address, patience)
                         return 1
                     continue
                 kind = msg[0]
