@@ -351,6 +351,36 @@ def test_a_host_that_never_connects_is_named(monkeypatch):
     assert current() is None and not worker_pids()
 
 
+@pytest.mark.parametrize("example", ["introductory.py", "batch_vs_batch_s.py"])
+def test_the_seeds_examples_through_the_launcher_on_two_hosts(example):
+    """``python -m synkhronos.launch`` on both "hosts", the seed's script unchanged on node 0 (its
+    ``synk.fork(2, use_gpu=False)`` spans 1 rank here and 1 there); both launchers exit 0.
+    (``shared_variables.py`` fails under the JAX engine on one host too: after ``f.as_theano``,
+    ``s.get_value()`` reads compute rank 0's value, not the master's; its collectives are
+    :func:`test_shared_variable_collectives`.)"""
+    from synkhronos.launch import free_port_pair
+
+    port = free_port_pair()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNK_")}
+
+    def launcher(node: int, *script: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "synkhronos.launch", "--nnodes", "2", "--node-rank", str(node),
+                                 "--nproc-per-node", "1", "--coordinator", f"127.0.0.1:{port}", *script],
+                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    there = launcher(1)
+    here = launcher(0, os.path.join("examples", example))
+    try:
+        out, _ = here.communicate(timeout=100)
+        assert here.returncode == 0 and "All assertions passed." in out, out[-3000:]
+        assert there.wait(15) == 0
+    finally:
+        for proc in (here, there):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 # --- the launcher's options --------------------------------------------------------------------------
 
 def test_the_launcher_reads_slurm(monkeypatch):

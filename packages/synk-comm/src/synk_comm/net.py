@@ -361,6 +361,9 @@ class SpanGroup:
         except BaseException as exc:
             span._abort(f"the group did not start ({type(exc).__name__})")
             raise
+        # At exit (and SIGTERM), before node 0's own group (registered earlier, closed later): every host's
+        # workers stop together (JAX's runtime, say, waits at exit for every rank of the span).
+        group_mod._register_exit(span)  # type: ignore[arg-type]
         log.info("synk_comm.net: %d ranks on %d hosts (%s)", size, nnodes,
                  ", ".join([socket.gethostname(), *(p.host for p in peers)]))
         return span
