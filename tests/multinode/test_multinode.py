@@ -215,7 +215,8 @@ def test_a_rank_error_in_one_program_closes_the_run_after_the_grace(ranks, other
 # --- failures --------------------------------------------------------------------------------------
 
 def _slow_call_killed(kill, seconds: float = 4.0):
-    """Start a call that runs ``seconds``; ``kill()`` after 1 s; return (exception, seconds from the kill)."""
+    """Start a call that runs ``seconds`` (its first: compiling, then sleeping); ``kill()`` after 1 s;
+    return (exception, seconds from the kill)."""
     x = pt.matrix("x")
     f = synk.function([x], outputs=(pt.sum(Slow(seconds)(x)), "sum"))
     data = synk.data(np.ones((6, 4)))
@@ -226,7 +227,6 @@ def _slow_call_killed(kill, seconds: float = 4.0):
         kill()
         killed.append(time.monotonic())
 
-    f(synk.data(np.ones((3, 4))))  # compiled before the timed call (every rank, one program)
     thread = threading.Thread(target=later)
     thread.start()
     with pytest.raises(WorkerDiedError) as info:

@@ -720,6 +720,11 @@ class Agent:
                 if event == zmq.EVENT_CONNECTED:
                     self._connected = True
                 elif event == zmq.EVENT_DISCONNECTED and self._connected:
+                    # The master's last words may have come with the end of its connection: read them first.
+                    while self.sock.poll(0):
+                        msg = _unpack(self.sock.recv_multipart(copy=False))
+                        if msg[0] == "shutdown":
+                            return msg
                     raise MasterLostError(f"the connection to the master at {self.address} dropped")
             if self.sock in events:
                 msg = _unpack(self.sock.recv_multipart(copy=False))
