@@ -38,7 +38,7 @@ from typing import IO
 
 from synkhronos.multinode import COORDINATOR_ENV, DEFAULT_PORT, NNODES_ENV, NPROC_ENV, split_address
 
-__all__ = ["LocalNodes", "main", "first_host"]
+__all__ = ["LocalNodes", "first_host", "free_port_pair", "main"]
 
 log = logging.getLogger("synkhronos")
 
