@@ -127,7 +127,8 @@ def test_scatter_broadcast_batch_and_output_reductions(ranks):
     x_dat, y_dat = rows(101), np.arange(4.0)
     x_data, y_data = synk.data(x_dat), synk.data(y_dat)
     for what, batch in [("even rows, one program", 99), ("uneven rows, per rank", slice(1, 101)),
-                        ("batch indices", np.random.default_rng(1).permutation(100)[:40])]:
+                        ("batch indices", np.random.default_rng(1).permutation(100)[:40]),
+                        ("one row: the other host's ranks have none", np.array([5]))]:
         expect = x_dat[:batch] @ y_dat if isinstance(batch, int) else x_dat[batch] @ y_dat
         mean, total, top, gathered = f(x_data, y_data, batch=batch)
         np.testing.assert_allclose(mean, expect.mean(), err_msg=what)
