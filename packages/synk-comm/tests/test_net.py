@@ -128,3 +128,16 @@ def test_a_killed_agent_is_reported_by_host_within_the_timeout():
         hub.shutdown()
         agent.kill()
         agent.wait()
+
+
+def test_identities_leave_every_value_unchanged():
+    from synk_comm.ops import ReduceOp, identity
+
+    values = {"float32": np.array([-np.inf, -3.5, 0.0, 2.0, np.inf], "float32"),
+              "int16": np.array([-32768, -1, 0, 7, 32767], "int16"), "bool": np.array([False, True])}
+    for name, v in values.items():
+        for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN):
+            if name == "bool" and op in (ReduceOp.SUM, ReduceOp.PROD):
+                continue
+            e = np.full_like(v, identity(op, v.dtype))
+            np.testing.assert_array_equal(op.ufunc(v, e), v, err_msg=f"{op} of {name}")

@@ -65,7 +65,7 @@ import numpy as np
 
 from synk_comm import group as group_mod
 from synk_comm.errors import GroupBrokenError, HostLostError, RemoteError, WorkerDiedError, WorkerError
-from synk_comm.ops import ReduceOp, as_op
+from synk_comm.ops import ReduceOp, as_op, identity
 from synk_comm.shm_collectives import _reduce_into
 
 __all__ = ["Agent", "HEARTBEAT_S", "HOST_TIMEOUT_S", "Hub", "Peer", "SpanGroup", "relay"]
@@ -579,22 +579,20 @@ class SpanGroup:
         """Every rank of every host gets ``op`` over every rank's array (the master's included):
         within each host through shared memory, then across hosts through this master.
 
-        Three steps: each host's master (this process, or the host's agent) gathers its host's
-        arrays through shared memory and reduces them (rank order); the agents send their host's
-        partial result here, where the partials are reduced (host order, so in rank order for
-        ``sum``/``prod`` up to the grouping); the result goes back to every host's master, which
-        broadcasts it through shared memory.  Across hosts one array per host travels each way.
-        ``avg``: the sum over every rank divided by :attr:`size`.  Every rank gets the same bits.
+        Three steps: each host's master (this process, or the host's agent, which gives the op's
+        identity) reduces its host's arrays, read in place in shared memory (rank order); the agents
+        send their host's partial result here, where the partials are reduced (host order, so in rank
+        order up to the grouping); the result goes back to every host's master, which broadcasts it
+        through shared memory.  Across hosts one array per host travels each way.  ``avg``: the sum
+        over every rank divided by :attr:`size`.  Every rank gets the same bits.
         """
         self._require_usable()
         a = np.asarray(array)
         rop = as_op(op, a.dtype)
         local_op = ReduceOp.SUM if rop is ReduceOp.AVG else rop
-        mine, partials = self._relay("all_reduce", lambda: self.local.host.gather(a, root=0), local_op.value)
-        parts = [*(mine or []), *(p for p in partials if p is not None)]
-        if any(p.shape != a.shape or p.dtype != a.dtype for p in parts):
-            shapes = sorted({(p.shape, str(p.dtype)) for p in parts})
-            raise ValueError(f"all_reduce: every rank must give the same shape and dtype; got {shapes}")
+        mine, partials = self._relay("all_reduce", lambda: self.local.host.reduce(a, local_op, root=0),
+                                     local_op.value, a.shape, a.dtype.str)
+        parts = [mine, *(p for p in partials if p is not None)]
         result = _reduce_into(local_op, parts, np.empty_like(a) if out is None else out)
         if rop is ReduceOp.AVG:
             np.divide(result, self.size, out=result)
@@ -920,8 +918,8 @@ class Agent:
             elif what == "all_gather:result":
                 g.host.broadcast_object(msg[4], root=0)
             elif what == "all_reduce":  # see SpanGroup.all_reduce: this host's partial result
-                parts = list(g.host.gather(np.empty(0), root=0) or [])[1:]
-                partial = _reduce_into(ReduceOp(msg[4]), parts, np.empty_like(parts[0])) if parts else None
+                op, shape, dtype = ReduceOp(msg[4]), msg[5], np.dtype(msg[6])
+                partial = g.host.reduce(np.full(shape, identity(op, dtype), dtype), op, root=0)
                 self._send(("coll", self.epoch, seq, partial))
             elif what == "all_reduce:result":
                 g.host.broadcast(msg[4], root=0)

@@ -187,8 +187,8 @@ class ShmCollectives(Collectives):
         rop = as_op(op, a.dtype)
         if out is not None and (out.shape != a.shape or out.dtype != a.dtype):
             raise ValueError(f"all_reduce: out has {out.shape} {out.dtype}, array has {a.shape} {a.dtype}")
-        if self.group.spans_hosts:  # one host's part of a group spanning hosts (synk_comm.net)
-            self.gather(a, root=self.group.master_rank)
+        if self.group.spans_hosts:  # one host's part of a group spanning hosts: SpanGroup.all_reduce
+            self.reduce(a, ReduceOp.SUM if rop is ReduceOp.AVG else rop, root=self.group.master_rank)
             return self.broadcast(out, root=self.group.master_rank)
         if a.nbytes < CHUNKED_MIN_BYTES or a.size < self.size or self.size == 1:
             k = self._exchange([a])
