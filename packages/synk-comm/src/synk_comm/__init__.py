@@ -9,6 +9,7 @@ Groups
     :func:`start`     start workers that serve commands from the master (master-driven)
     :func:`handler`   register a worker command handler
     :class:`Group`    rank, size, barrier, command, close, and the collectives below
+    :mod:`synk_comm.net`  groups spanning hosts: one group per host, joined over pyzmq
 
 Collectives (methods of :class:`Group`; numpy or CUDA arrays)
     broadcast, reduce, all_reduce, gather, all_gather, scatter, reduce_scatter,
@@ -17,6 +18,7 @@ Collectives (methods of :class:`Group`; numpy or CUDA arrays)
 Errors
     :class:`WorkerError` (a worker raised: rank and traceback; the group stays usable),
     :class:`WorkerDiedError` (a worker process died: the group is closed),
+    :class:`HostLostError` (a host of a group spanning hosts stopped answering: closed),
     :class:`GroupBrokenError` (use of a closed or broken group)
 
 Example
@@ -29,10 +31,10 @@ Example
 [array([6., 6., 6., 6.]), array([6., 6., 6., 6.]), array([6., 6., 6., 6.]), array([6., 6., 6., 6.])]
 """
 
-from synk_comm.errors import GroupBrokenError, RemoteError, WorkerDiedError, WorkerError
+from synk_comm.errors import GroupBrokenError, HostLostError, RemoteError, WorkerDiedError, WorkerError
 from synk_comm.group import Group, current_group, handler, spawn, start
 from synk_comm.ops import ReduceOp
 
-__all__ = ["Group", "GroupBrokenError", "ReduceOp", "RemoteError", "WorkerDiedError", "WorkerError",
+__all__ = ["Group", "GroupBrokenError", "HostLostError", "ReduceOp", "RemoteError", "WorkerDiedError", "WorkerError",
            "current_group", "handler", "spawn", "start"]
 __version__ = "0.1.0"

@@ -7,20 +7,27 @@ calling process before any other rank is asked to act) and failures of the group
 
 from __future__ import annotations
 
-__all__ = ["WorkerError", "WorkerDiedError", "GroupBrokenError", "GroupAborted", "RemoteError"]
+__all__ = ["WorkerError", "WorkerDiedError", "HostLostError", "GroupBrokenError", "GroupAborted", "RemoteError"]
 
 
 class RemoteError:
     """An exception raised in another rank, as it travels (picklable)."""
 
-    def __init__(self, rank: int, type_name: str, message: str, traceback: str) -> None:
+    def __init__(self, rank: int, type_name: str, message: str, traceback: str, host: str | None = None) -> None:
         self.rank = rank
         self.type_name = type_name
         self.message = message
         self.traceback = traceback
+        self.host = host
+        """The host the rank runs on, where the group spans hosts (:mod:`synk_comm.net`); else None."""
+
+    @property
+    def where(self) -> str:
+        """``rank 3`` or, on another host, ``rank 3 (host node1)``."""
+        return f"rank {self.rank}" + (f" (host {self.host})" if getattr(self, "host", None) else "")
 
     def __repr__(self) -> str:
-        return f"RemoteError(rank={self.rank}, {self.type_name}: {self.message})"
+        return f"RemoteError({self.where}, {self.type_name}: {self.message})"
 
 
 class WorkerError(RuntimeError):
@@ -34,7 +41,7 @@ class WorkerError(RuntimeError):
 
     def __init__(self, errors: list[RemoteError]) -> None:
         self.errors = errors
-        parts = [f"rank {e.rank} raised {e.type_name}: {e.message}\n--- traceback in rank {e.rank} ---\n"
+        parts = [f"{e.where} raised {e.type_name}: {e.message}\n--- traceback in {e.where} ---\n"
                  f"{e.traceback.rstrip()}" for e in errors]
         super().__init__("\n".join(parts))
 
@@ -57,6 +64,32 @@ class WorkerDiedError(RuntimeError):
 
     def __reduce__(self) -> tuple[type, tuple[int, int, int | None, str]]:
         return (type(self), (self.rank, self.pid, self.returncode, self.detail))
+
+
+class HostLostError(WorkerDiedError):
+    """A host of a group that spans hosts (:mod:`synk_comm.net`) stopped answering: its node agent
+    died, or the network between the hosts failed.  The group is closed.
+
+    Attributes
+    ----------
+    host : str
+        The lost host's name.
+    ranks : list of int
+        The group ranks that ran there.
+    """
+
+    def __init__(self, host: str, ranks: list[int], detail: str = "") -> None:
+        self.host, self.ranks = host, list(ranks)
+        self.rank, self.pid, self.returncode, self.detail = (ranks[0] if ranks else -1), -1, None, detail
+        RuntimeError.__init__(self, f"host {host} (ranks {_span(ranks)}) was lost: {detail} The group is closed; "
+                              "start a new one (synkhronos: call fork() again once the host's launcher runs).")
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[int], str]]:  # type: ignore[override]
+        return (type(self), (self.host, self.ranks, self.detail))
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else (str(ranks[0]) if ranks else "none")
 
 
 class GroupBrokenError(RuntimeError):

@@ -71,6 +71,8 @@ __all__ = ["Group", "start", "spawn", "handler", "current_group"]
 log = logging.getLogger(__name__)
 
 EXIT = -1
+SPAN_OFFSET_ENV = "SYNK_SPAN_OFFSET"
+SPAN_SIZE_ENV = "SYNK_SPAN_SIZE"
 ABANDONED_GRACE_S = 0.5
 """Seconds :meth:`Group.close` waits for workers still busy with an interrupted command before it
 kills them."""
@@ -145,6 +147,18 @@ class Group:
         # The master decides (no spinning with more ranks than cores) and tells the workers at launch
         # (SYNK_SPIN_US): a worker pinned to its own cores cannot tell how many the group has.
         self._spin = SPIN_S if not create or size <= len(os.sched_getaffinity(0)) else 0.0
+        # A group that is one host's part of a group spanning hosts (synk_comm.net): its worker ranks
+        # 1.. are the span's ranks span_offset + 1.. of span_size.  Set in the workers at launch.
+        spanned = not create and SPAN_SIZE_ENV in os.environ
+        self.spans_hosts = spanned
+        """Whether this group is one host's part of a group that spans hosts (:mod:`synk_comm.net`)."""
+        self.span_offset = int(os.environ[SPAN_OFFSET_ENV]) if spanned else 0
+        """Added to a worker's rank here: its rank in the group that spans hosts (0 otherwise)."""
+        self.span_size = int(os.environ[SPAN_SIZE_ENV]) if spanned else size
+        """Ranks of the group that spans hosts, its master included (``size`` otherwise)."""
+        self.watch: Callable[[], None] | None = None
+        """In the master: called between two polls of every wait on the workers (it may raise to
+        stop waiting); :mod:`synk_comm.net` watches the other hosts with it."""
         self.abort_grace_s: float | None = None
         """Seconds the master waits, once a worker has reported an error during a command, for the
         other workers to finish it; then it counts them as stuck (inside a collective that can no
@@ -185,6 +199,8 @@ class Group:
         for r, proc in self._procs.items():
             if proc.poll() is not None:
                 self._fail_dead(r, proc)
+        if self.watch is not None:
+            self.watch()
 
     def _fail_dead(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         detail = ""
@@ -409,6 +425,7 @@ class Group:
     def _backend(self, array: Any) -> Any:
         self._require_usable()  # a closed group's buffers and semaphores are gone
         if array is not None and not isinstance(array, np.ndarray) and _is_cuda_array(array):
+            self._one_host_only("a collective on CUDA arrays (NCCL)")
             if self._nccl is None:
                 from synk_comm.nccl import NcclCollectives
 
@@ -416,13 +433,20 @@ class Group:
             return self._nccl
         return self.host
 
+    def _one_host_only(self, name: str) -> None:
+        if self.spans_hosts:
+            raise NotImplementedError(f"{name} is not carried across hosts in a group spanning hosts (synk_comm.net): "
+                                      "all_reduce, all_gather, gather_object and barrier are")
+
     def broadcast(self, array: Any, *, root: int | None = None) -> Any:
         """Every rank returns ``root``'s array (see :mod:`synk_comm.collectives`)."""
+        self._one_host_only("broadcast")
         root = self.master_rank if root is None else root
         return self._backend(array).broadcast(array, root=root)
 
     def reduce(self, array: Any, op: ReduceOp | str = "sum", *, root: int | None = None) -> Any:
         """``root`` (default: the master) returns ``op`` over every rank's array; others None."""
+        self._one_host_only("reduce")
         root = self.master_rank if root is None else root
         return self._backend(array).reduce(array, op, root=root)
 
@@ -432,6 +456,7 @@ class Group:
 
     def gather(self, array: Any, *, root: int | None = None) -> list[Any] | None:
         """``root`` returns every rank's array in rank order (shapes may differ); others None."""
+        self._one_host_only("gather")
         root = self.master_rank if root is None else root
         return self._backend(array).gather(array, root=root)
 
@@ -441,16 +466,19 @@ class Group:
 
     def scatter(self, arrays: Sequence[Any] | None, *, root: int | None = None) -> Any:
         """Rank ``r`` returns ``arrays[r]`` of ``root``'s list."""
+        self._one_host_only("scatter")
         root = self.master_rank if root is None else root
         probe = arrays[0] if arrays else None
         return self._backend(probe).scatter(arrays, root=root)
 
     def reduce_scatter(self, array: Any, op: ReduceOp | str = "sum") -> Any:
         """Rank ``r`` returns ``op`` over every rank's chunk ``r`` (``array_split`` on axis 0)."""
+        self._one_host_only("reduce_scatter")
         return self._backend(array).reduce_scatter(array, op)
 
     def broadcast_object(self, obj: object = None, *, root: int | None = None) -> object:
         """Every rank returns ``root``'s picklable object."""
+        self._one_host_only("broadcast_object")
         self._require_usable()
         return self.host.broadcast_object(obj, root=self.master_rank if root is None else root)
 

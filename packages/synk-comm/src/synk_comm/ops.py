@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ReduceOp", "as_op"]
+__all__ = ["ReduceOp", "as_op", "identity"]
 
 
 class ReduceOp(enum.Enum):
@@ -63,3 +63,20 @@ def _numpy_dtype(dtype: Any) -> np.dtype[Any]:
         return np.dtype(dtype)
     except TypeError:
         return np.dtype(str(dtype).removeprefix("torch."))
+
+
+def identity(op: ReduceOp, dtype: Any) -> Any:
+    """The value that ``op`` leaves unchanged for ``dtype``: 0 (sum, avg), 1 (prod), the lowest value
+    (max: -inf, the integer minimum, False) or the highest (min)."""
+    dt = _numpy_dtype(dtype)
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        return dt.type(0)
+    if op is ReduceOp.PROD:
+        return dt.type(1)
+    low = op is ReduceOp.MAX
+    if dt.kind == "b":
+        return not low
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return info.min if low else info.max
+    return dt.type(-np.inf if low else np.inf)

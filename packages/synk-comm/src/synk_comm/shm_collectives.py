@@ -187,6 +187,9 @@ class ShmCollectives(Collectives):
         rop = as_op(op, a.dtype)
         if out is not None and (out.shape != a.shape or out.dtype != a.dtype):
             raise ValueError(f"all_reduce: out has {out.shape} {out.dtype}, array has {a.shape} {a.dtype}")
+        if self.group.spans_hosts:  # one host's part of a group spanning hosts: SpanGroup.all_reduce
+            self.reduce(a, ReduceOp.SUM if rop is ReduceOp.AVG else rop, root=self.group.master_rank)
+            return self.broadcast(out, root=self.group.master_rank)
         if a.nbytes < CHUNKED_MIN_BYTES or a.size < self.size or self.size == 1:
             k = self._exchange([a])
             views = self._peers(k)
@@ -337,8 +340,19 @@ class ShmCollectives(Collectives):
         return [[v.copy() for v in self.group.buffers.read(r, k)] for r in range(self.size)]
 
     def all_gather(self, array: np.ndarray) -> list[np.ndarray]:
+        if self.group.spans_hosts:  # one host's part of a group spanning hosts (synk_comm.net)
+            return self._all_gather_spanned(array)
         k = self._exchange([np.asarray(array)])
         return [v.copy() for v in self._peers(k)]
+
+    def _all_gather_spanned(self, array: np.ndarray) -> list[np.ndarray]:
+        """A worker of one host's part of a group spanning hosts: its master (the span's, or the
+        host's agent) gathers this host's arrays, exchanges them with the other hosts, and
+        broadcasts every rank's back (:meth:`synk_comm.net.SpanGroup.all_gather`)."""
+        self.gather(array, root=self.group.master_rank)
+        everything = self.broadcast_object(None, root=self.group.master_rank)
+        assert isinstance(everything, list)
+        return everything
 
     def scatter(self, arrays: Sequence[np.ndarray] | None, *, root: int = 0) -> np.ndarray:
         self._check_root(root)

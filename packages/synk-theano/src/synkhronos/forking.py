@@ -66,7 +66,9 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         ``SYNK_CPU_RANKS`` if set, else :func:`synkhronos.cpu.default_ranks` of the cores in
         ``os.sched_getaffinity(0)`` (one per core up to 4 cores, else one per 4 cores, at
         least 4).  In CPU mode, ranks get disjoint sets of cores (``SYNK_CPU_PIN=0``: not
-        pinned) and compile with JAX when it is installed (see :mod:`synkhronos.cpu`).
+        pinned) and compile with JAX when it is installed (see :mod:`synkhronos.cpu`).  Under
+        ``python -m synkhronos.launch`` over several hosts: every host's ranks, on the JAX
+        engine (:mod:`synkhronos.multinode`; given, it must equal their number).
     use_gpu : bool, optional
         None: GPU mode on a machine with GPUs, else CPU mode.  False: CPU mode with
         ``n_parallel`` worker processes.  True: GPU mode (an error without GPUs).
@@ -106,6 +108,15 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
                            "master process forks; this process is already a rank of the master's group")
     if current() is not None and not current().group.closed:  # type: ignore[union-attr]
         raise RuntimeError("Synkhronos is already forked: call synk.close() before forking again")
+    from synkhronos import multinode
+
+    spanning = multinode.launched()
+    if spanning:  # under synkhronos.launch over several hosts: every host's ranks, on the JAX engine
+        if engine not in (None, "jax"):
+            raise ValueError(f"engine={engine!r}: a run over several hosts (synkhronos.launch) runs on the JAX "
+                             "engine; leave engine unset")
+        engine = "jax"
+        n_parallel = multinode.total_ranks(n_parallel)
     n_gpus = gpu_count()
     if use_gpu is None:
         use_gpu = n_gpus > 0
@@ -128,7 +139,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     if use_gpu:
         if n_gpus == 0:
             raise ValueError("use_gpu=True but this machine has no visible NVIDIA GPU; use use_gpu=False")
-        if n_parallel > n_gpus:
+        if n_parallel > n_gpus and not spanning:
             raise ValueError(f"n_parallel={n_parallel} but only {n_gpus} GPU(s) are visible")
     t0 = time.perf_counter()
     env: dict[str, Any] = {"PYTENSOR_FLAGS": _pytensor_flags(), "SYNK_USE_GPU": "1" if use_gpu else "0"}
@@ -190,10 +201,13 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
                  max_n_var: int) -> Runtime:
     """Start the engine's ``n_parallel`` workers (group ranks 1..n; the master is group rank 0) and
     join them into JAX's runtime (:mod:`synkhronos.engine`)."""
+    from synkhronos import multinode
     from synkhronos.engine import JOIN, launch
     from synkhronos.engine.device import HostDevice
     from synkhronos.engine.master import Orchestrator
 
+    spanning = multinode.launched()
+    n_local = int(os.environ[multinode.NPROC_ENV]) if spanning else n_parallel
     on_gpu = launch.runs_on_gpu(use_gpu)
     env.update(launch.worker_env(on_gpu))
     devices = None
@@ -201,20 +215,23 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
         from synkhronos.gpu import visible_devices
 
         gpus = visible_devices()
-        devices = [",".join(gpus), *gpus[:n_parallel]]  # the master keeps what it sees
+        devices = [",".join(gpus), *gpus[:n_local]]  # the master keeps what it sees
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX in the master: no GPU hoarding
     else:
-        threads = max(1, len(os.sched_getaffinity(0)) // n_parallel)
+        threads = max(1, len(os.sched_getaffinity(0)) // n_local)
         env.update(cores_mod.thread_env(threads))
     if profile_workers:
         env["SYNK_PROFILE_DIR"] = os.getcwd()
     scratch = CallPlan.length(max_n_var, 0, n_parallel)
     spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu else 200))
-    group = synk_comm.start(n_parallel + 1, imports=["synkhronos.worker"], master_rank=0, devices=devices,
-                            env=env, scratch_size=scratch, spin_us=spin)
+    # Over several hosts (synkhronos.launch): node 0's workers here, the others' through their agents.
+    start: Any = multinode.start_group if spanning else synk_comm.start
+    group = start(n_parallel + 1, imports=["synkhronos.worker"], master_rank=0, devices=devices,
+                  env=env, scratch_size=scratch, spin_us=spin)
     group.abort_grace_s = launch.ABORT_GRACE_S  # a worker that fails to join leaves the others waiting
+    coordinator = multinode.coordinator() if spanning else launch.coordinator_address()
     try:
-        group.run(JOIN, (launch.coordinator_address(), on_gpu))
+        group.run(JOIN, (coordinator, on_gpu))
     except BaseException:
         group.close()
         raise

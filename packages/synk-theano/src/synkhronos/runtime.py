@@ -40,8 +40,9 @@ class Runtime:
         self.device = device
         self.engine = engine
         offset = 0 if engine is None else 1
-        self.rank = group.rank - offset
-        self.size = group.size - offset
+        # A group that spans hosts (synk_comm.net): this host's group ranks are the span's from span_offset.
+        self.rank = group.rank + getattr(group, "span_offset", 0) - offset
+        self.size = getattr(group, "span_size", group.size) - offset
         self.is_master = group.is_master
         self.replicas: dict[int, Replica] = {}
         self.shared: dict[int, SharedVariable] = {}

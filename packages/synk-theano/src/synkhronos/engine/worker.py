@@ -146,9 +146,9 @@ def _join(group: Group, payload: tuple[str, bool]) -> None:
     if group.is_master:
         return
     coordinator, on_gpu = payload
-    size = group.size - 1
-    device = launch.join(coordinator, size, group.rank - 1, on_gpu)
-    phases.start(f"rank{group.rank - 1}")
+    size = group.span_size - 1  # every host's ranks where the group spans hosts (synkhronos.multinode)
+    device = launch.join(coordinator, size, group.rank + group.span_offset - 1, on_gpu)
+    phases.start(f"rank{group.rank + group.span_offset - 1}")
     rt = Runtime(group, EngineDevice(device), engine=Ranks(device, pin=pins_inputs(on_gpu)))
     set_current(rt)
 
