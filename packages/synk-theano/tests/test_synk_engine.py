@@ -136,17 +136,49 @@ def test_batch_indices_slices_and_counts(engine, rng, caplog):
 
 # --- what runs per rank, still right ---------------------------------------------------------------
 
-def test_uneven_shares_num_slices_and_batch_s_run_per_rank_and_are_right(engine, rng, caplog):
+@pytest.mark.parametrize("extra", [1, -1], ids=["one-more", "zero-row-rank"])
+def test_uneven_shares_run_in_the_program_and_equal_numpy(engine, rng, caplog, extra):
+    """Uneven shares (2n+1 rows; or n-1 rows: one rank has none) run in one program, each rank's
+    branch on exactly its rows: a mean over the rows, an output whose length follows the rows,
+    an integer avg, a 0-d gather and the updates are those of numpy's split."""
+    n = engine
+    x = pt.matrix("x")
+    w = pytensor.shared(np.zeros(3), name="w")
+    steps = pytensor.shared(np.int64(0), name="steps")
+    outputs = [(x.mean(axis=0), "avg"), (pt.exp(x).sum(), "sum"), (x.max(axis=0), "max"), (x.min(), "min"),
+               (1 + 0.01 * x.sum(axis=0), "prod"), (x * 2, None), (x.shape[0], "avg"), (x.mean(), None),
+               (x[:-1], None)]
+    f = synk.function([x], outputs=outputs, updates=[(w, w + x.mean(axis=0)), (steps, steps + 1)])
+    rows = 2 * n + 1 if extra == 1 else n - 1
+    xd = rng.standard_normal((rows, 3))
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(synk.data(xd))
+    assert not per_rank_logged(caplog)
+    ps = parts(xd, n)
+    ps_all, ps = ps, [p for p in ps if len(p)]  # combine leaves ranks without rows out
+    wt = [len(p) for p in ps]
+    refs = [combine("avg", [p.mean(axis=0) for p in ps], wt), combine("sum", [np.exp(p).sum() for p in ps], wt),
+            combine("max", [p.max(axis=0) for p in ps], wt), combine("min", [p.min() for p in ps], wt),
+            combine("prod", [1 + 0.01 * p.sum(axis=0) for p in ps], wt), xd * 2,
+            combine("avg", [float(len(p)) for p in ps], wt), combine(None, [p.mean() for p in ps], wt),
+            combine(None, [p[:-1] for p in ps], wt)]
+    for i, (g, r) in enumerate(zip(got, refs)):
+        np.testing.assert_allclose(g, r, rtol=1e-12, err_msg=f"output {i}")
+    np.testing.assert_allclose(refs[0], xd.mean(axis=0), rtol=1e-12)  # the weighted avg is the single-process mean
+    for r, p in enumerate(ps_all):  # a rank without rows keeps its values (it computed nothing)
+        np.testing.assert_allclose(synk.get_value(r, w), p.mean(axis=0) if len(p) else np.zeros(3), rtol=1e-12)
+        assert int(synk.get_value(r, steps)) == (1 if len(p) else 0)
+        synk.set_value(r, w, np.zeros(3))
+        synk.set_value(r, steps, np.int64(0))
+    sub = f(synk.data(xd), output_subset=[5, 0])
+    np.testing.assert_allclose(sub[0], xd * 2, rtol=1e-12)
+    np.testing.assert_allclose(sub[1], refs[0], rtol=1e-12)
+
+
+def test_num_slices_and_batch_s_run_per_rank_and_are_right(engine, rng, caplog):
     n = engine
     x = pt.matrix("x")
     f = synk.function([x], outputs=[(x.sum(axis=0), "avg"), (x, None)])
-    xd = rng.standard_normal((2 * n + 1, 3))
-    with caplog.at_level(logging.INFO, logger="synkhronos"):
-        got = f(synk.data(xd))
-    assert "uneven shares" in caplog.text
-    np.testing.assert_allclose(got[0], combine("avg", [p.sum(axis=0) for p in parts(xd, n)],
-                                               [len(p) for p in parts(xd, n)]), rtol=1e-12)
-    np.testing.assert_allclose(got[1], xd, rtol=1e-12)
     xd = rng.standard_normal((4 * n, 3))
     got = f(synk.data(xd), num_slices=2)
     np.testing.assert_allclose(got[0], xd.sum(axis=0) / (2 * n), rtol=1e-12)  # avg of the 2n slices' sums

@@ -15,8 +15,10 @@ Who does what
       rank's device (:mod:`synkhronos.engine.program`): each rank's rows, the function (PyTensor's
       own JAX translation of the compiled graph), the output reductions, and the shared variables'
       updates (donated buffers); ``batch_s`` windows ``start:stop`` of the sliceable shared
-      variables inside it.  Calls the program cannot express exactly (uneven shares,
-      ``num_slices`` > 1, other ``batch_s`` selections, random generators) run the per-rank
+      variables inside it.  Uneven shares run in the program, one branch per share size
+      (:func:`synkhronos.engine.program._uneven_body`).  Calls the program cannot express exactly
+      (``num_slices`` > 1, other ``batch_s`` selections, random generators, uneven shares with
+      in-graph collectives or sliceable variables) run the per-rank
       programs of :mod:`synkhronos.replica` in the workers and the master combines the replies
       (:func:`synkhronos.engine.program.per_rank_reason` and ``fit_reason`` say which and why).
 
@@ -70,6 +72,6 @@ def choose(engine: str | None) -> str:
 
 class NotOneProgramError(ValueError):
     """A call of a function with in-graph collectives (:mod:`synkhronos.ops`) that cannot run as one
-    program over the ranks (uneven shares, ``num_slices`` > 1, ...): raised in the master before any
-    worker acts, so a caller may run the step another way (as ``synk_lasagne``'s train function
-    does, through its chain)."""
+    program over the ranks (uneven shares, which would need a branch per share size, ``num_slices``
+    > 1, ...): raised in the master before any worker acts, so a caller may run the step another
+    way (as ``synk_lasagne``'s train function does, through its chain)."""

@@ -26,7 +26,7 @@ from synk_comm import Group, handler
 from synkhronos import calls
 from synkhronos.engine import CALL, JOIN, PER_RANK, PROGRAM, VALUE, launch
 from synkhronos.engine.device import EngineDevice
-from synkhronos.engine.program import AXIS, Program, fit_reason, per_rank_reason, shapes_of, window
+from synkhronos.engine.program import AXIS, Program, fit_reason, per_rank_reason, shapes_of, shares, window
 from synkhronos.runtime import Runtime, current, set_current
 
 __all__ = ["Ranks"]
@@ -42,15 +42,17 @@ class Ranks:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.mesh = Mesh(np.array(devices), (AXIS,))
         self.device = device
-        self.programs: dict[tuple[int, tuple[int, ...] | None, int], Program | None] = {}
+        self.programs: dict[tuple[int, tuple[int, ...] | None, int, tuple[int, ...]], Program | None] = {}
 
-    def program(self, rt: Runtime, fid: int, subset: tuple[int, ...] | None, count: int) -> Program | None:
+    def program(self, rt: Runtime, fid: int, subset: tuple[int, ...] | None, count: int,
+                branches: tuple[int, ...] = ()) -> Program | None:
         """The function's program for ``subset`` (made on first use; ``count``: rows of its
-        sliceable variables' window, 0 without); None if its JAX form takes shape arguments
+        sliceable variables' window, 0 without; ``branches``: the distinct row counts of an uneven
+        call, () for an even one); None if its JAX form takes shape arguments
         (``scalar_shape_inputs``), which one program cannot."""
-        key = (fid, subset, count)
+        key = (fid, subset, count, branches)
         if key not in self.programs:
-            program = Program(rt.replicas[fid], subset, self.mesh, count)
+            program = Program(rt.replicas[fid], subset, self.mesh, count, branches)
             self.programs[key] = None if program.takes_shapes else program
         return self.programs[key]
 
@@ -84,7 +86,9 @@ def _call(group: Group, _payload: None) -> None:
     if reason is None and rep.spec.sliceable:  # do the sliceable variables fit one program in every rank?
         reason = fit_reason(group.host.all_gather(shapes_of(rep, rt.device))[1:], plan)
     found = window(plan) if rep.spec.sliceable else None
-    program = None if reason else rt.engine.program(rt, plan.fid, plan.subset, found[1] if found else 0)
+    counts = shares(rep, plan)
+    branches = tuple(sorted(set(counts))) if counts else ()
+    program = None if reason else rt.engine.program(rt, plan.fid, plan.subset, found[1] if found else 0, branches)
     if program is None:
         if rep.has_collectives:
             raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only in one "
@@ -98,8 +102,9 @@ def _call(group: Group, _payload: None) -> None:
     # collective) then surfaces in this call, as the rank's exception.
     program.wait()
     if rt.rank == 0:
-        rows = found[1] if found else int(plan.positions[0][1] - plan.positions[0][0]) if rep.spec.inputs else 1
-        group.reply([np.array(PROGRAM), np.array(float(rows * rt.size)),
+        rows = (found[1] * rt.size if found else sum(int(p1 - p0) for p0, p1 in plan.positions)
+                if rep.spec.inputs else rt.size)
+        group.reply([np.array(PROGRAM), np.array(float(rows)),
                      *(np.asarray(o.addressable_data(0)) for o in outputs)])
     else:
         group.reply([np.array(PROGRAM)])
