@@ -256,7 +256,7 @@ def test_a_graph_with_collectives_refuses_to_run_per_rank(engine, rng):
 
 
 def test_collectives_on_shared_variables_and_chain(engine, rng):
-    """Carried out by the master (engine.collectives); a chain runs its three operations one by one."""
+    """Programs over the ranks (engine.collectives); a chain runs its three operations one by one."""
     n = engine
     w = pytensor.shared(np.zeros(3), name="w")
     f = synk.function([], outputs=(w.sum(), "sum"))
@@ -280,6 +280,61 @@ def test_collectives_on_shared_variables_and_chain(engine, rng):
     step = synk.chain(f, all_reduce=w, op="sum", then=synk.function([], updates=[(w, w * 2)]))
     assert step() == pytest.approx(3 * n)  # first's output, before the all-reduce
     np.testing.assert_allclose(synk.gather(w), np.full((n, 3), 2.0 * n))
+
+
+def test_collectives_run_as_programs_and_equal_numpy(engine, rng):
+    """Every op and dtype of all_reduce / reduce, broadcast over ranks of other shapes, all_gather of
+    uneven lengths, scatter and set_value from Data (read by the workers) and numpy."""
+    n = engine
+    f = pytensor.shared(np.zeros(3), name="f")
+    i = pytensor.shared(np.zeros(3, dtype="int32"), name="i")
+    b = pytensor.shared(np.zeros(3, dtype=bool), name="b")
+    m = pytensor.shared(np.zeros((1, 2)), name="m")
+    synk.function([], outputs=f.sum() + i.sum() + b.sum() + m.sum())
+    fs = rng.standard_normal((n, 3))
+    is_ = rng.integers(-5, 5, (n, 3)).astype("int32")
+    bs = rng.random((n, 3)) < 0.5
+
+    def set_all():
+        for r in range(n):
+            synk.set_value(r, [f, i, b], [fs[r], is_[r], bs[r]])
+
+    for op, ufunc in [("sum", np.add), ("prod", np.multiply), ("max", np.maximum), ("min", np.minimum)]:
+        set_all()
+        got = synk.reduce([f, i, b], op=op, in_place=False)
+        for g, vals in zip(got, [fs, is_, bs]):
+            np.testing.assert_allclose(g, ufunc.reduce(vals, axis=0).astype(vals.dtype), rtol=1e-12)
+            assert g.dtype == vals.dtype
+        synk.all_reduce([f, i, b], op=op)
+        for var, vals in zip([f, i, b], [fs, is_, bs]):
+            want = np.tile(ufunc.reduce(vals, axis=0).astype(vals.dtype), (n, 1))
+            np.testing.assert_allclose(synk.gather(var), want, rtol=1e-12)
+    set_all()
+    synk.all_reduce(f, op="avg")
+    np.testing.assert_allclose(synk.gather(f), np.tile(fs.mean(axis=0), (n, 1)), rtol=1e-12)
+    set_all()
+    synk.reduce(f, op="max")  # in place: compute rank 0 only
+    np.testing.assert_allclose(synk.gather(f), np.vstack([fs.max(axis=0), fs[1:]]), rtol=1e-12)
+    with pytest.raises(TypeError, match="avg"):
+        synk.all_reduce(i, op="avg")
+    rows = rng.standard_normal((2 * n + 1, 2))  # uneven: one rank a row more than the others
+    synk.scatter(m, synk.data(rows))
+    assert synk.get_lengths(m) == [len(p) for p in parts(rows, n)]
+    assert synk.get_shapes(m) == [p.shape for p in parts(rows, n)]
+    with pytest.raises(ValueError, match="same shape"):
+        synk.all_reduce(m, op="sum")
+    synk.all_gather(m)
+    np.testing.assert_allclose(synk.gather(m, nd_up=0), np.concatenate([rows] * n), rtol=1e-12)
+    synk.scatter(m, rows, batch=[0, 2, 4])  # numpy values and indices
+    np.testing.assert_allclose(synk.gather(m, nd_up=0), rows[[0, 2, 4]], rtol=1e-12)
+    synk.set_value(n - 1, m, synk.data(rows), batch=slice(1, 3))
+    np.testing.assert_allclose(synk.get_value(n - 1, m), rows[1:3], rtol=1e-12)
+    synk.set_value(0, m, np.ones((4, 2)))
+    synk.broadcast(m)  # rank 0's value, whatever the others held
+    np.testing.assert_allclose(synk.gather(m), np.ones((n, 4, 2)))
+    synk.broadcast([f, b], values=[synk.data(fs[0]), bs[1]])
+    np.testing.assert_allclose(synk.gather(f), np.tile(fs[0], (n, 1)))
+    np.testing.assert_array_equal(synk.gather(b), np.tile(bs[1], (n, 1)))
 
 
 def test_values_stay_readable_after_close(engine, rng):

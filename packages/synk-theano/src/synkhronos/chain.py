@@ -87,7 +87,7 @@ class Chain:
 
     def _call_on_engine(self, rt: Runtime, sids: list[int], args: Any, kwargs: Any, output_subset: Any,
                         batch: Any, batch_s: Any, num_slices: Any) -> Any:
-        """The JAX engine: the three operations one by one (the all-reduce carried out by the master,
+        """The JAX engine: the three operations one by one (the all-reduce a program over the ranks,
         :mod:`synkhronos.engine.collectives`); the same results."""
         out = self.first(*args, output_subset=output_subset, batch=batch, batch_s=batch_s, num_slices=num_slices,
                          **kwargs)

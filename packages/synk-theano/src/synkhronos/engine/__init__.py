@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CALL", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "choose"]
+__all__ = ["CALL", "COLLECT", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "choose"]
 
 ENGINES = ("ranks", "jax")
 """``"ranks"``: one program per rank, glued by the master over shared memory (the first engine);
@@ -49,6 +49,7 @@ ENV = "SYNK_ENGINE"
 JOIN = "synkhronos.engine.join"
 CALL = "synkhronos.engine.call"
 VALUE = "synkhronos.engine.value"
+COLLECT = "synkhronos.engine.collect"
 PROGRAM = 1
 """A call's reply form: it ran as one program; compute rank 0 carries the combined outputs."""
 PER_RANK = 0
