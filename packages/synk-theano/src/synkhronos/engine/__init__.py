@@ -41,8 +41,12 @@ import os
 __all__ = ["CALL", "COLLECT", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "choose"]
 
 ENGINES = ("ranks", "jax")
-"""``"ranks"``: one program per rank, glued by the master over shared memory (the first engine);
-``"jax"``: one program over every rank on JAX's multi-process runtime (this package)."""
+"""``"jax"``: one program over every rank on JAX's multi-process runtime (this package), GPU mode's
+default; ``"ranks"``: one program per rank, glued by the master over shared memory, CPU mode's
+default (its shared-memory collectives beat JAX's gloo on the CPU: measured in issue 17, 7.6 us
+against 181 us for an 8-byte all-reduce).  In GPU mode ``"ranks"`` is the one switch back to the
+per-rank engine, whose single rank computes in the master (faster at one GPU: ``bench_engine.py``
+in ``benchmarks/RESULTS.md``); its values move between ranks through host shared memory."""
 ENV = "SYNK_ENGINE"
 
 # The commands between the master (engine.master) and the workers (engine.worker, their handlers).
@@ -56,15 +60,17 @@ PER_RANK = 0
 """A call's reply form: it ran per rank; every rank carries its own share."""
 
 
-def choose(engine: str | None) -> str:
-    """The engine of a :func:`synkhronos.fork`: ``engine``, else ``$SYNK_ENGINE``, else ``"ranks"``.
+def choose(engine: str | None, use_gpu: bool = False) -> str:
+    """The engine of a :func:`synkhronos.fork`: ``engine``, else ``$SYNK_ENGINE``, else the mode's
+    default: ``"jax"`` in GPU mode, ``"ranks"`` in CPU mode (see :data:`ENGINES`).
 
     Raises
     ------
     ValueError
         For a name not in :data:`ENGINES`.
     """
-    name = engine if engine is not None else (os.environ.get(ENV, "").strip() or "ranks")
+    default = "jax" if use_gpu else "ranks"
+    name = engine if engine is not None else (os.environ.get(ENV, "").strip() or default)
     if name not in ENGINES:
         source = "engine" if engine is not None else ENV
         raise ValueError(f"{source}={name!r} is not an engine: use one of {', '.join(map(repr, ENGINES))}")

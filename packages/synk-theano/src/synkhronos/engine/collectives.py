@@ -53,10 +53,17 @@ Shapes = list[list[tuple[int, ...]]]
 
 # --- the master ----------------------------------------------------------------------------------
 
+_REPLIES = ("shapes", "read", "get", "reduce")
+"""The actions whose workers reply (the others only act)."""
+
+
 def _command(rt: Runtime, action: str, sids: list[int], arg: Any = None) -> list[list[Any]]:
-    """One ``COLLECT`` command; every compute rank's reply, in rank order."""
+    """One ``COLLECT`` command; every compute rank's reply, in rank order ([] for an action
+    without replies)."""
     with rt.group.command(COLLECT, (action, sids, arg)):
         pass
+    if action not in _REPLIES:
+        return []
     replies = rt.group.replies()
     return [replies[r + 1] for r in range(rt.size)]
 

@@ -45,7 +45,7 @@ from synkhronos.replica import Replica
 if TYPE_CHECKING:
     from synkhronos.engine.device import EngineDevice
 
-__all__ = ["AXIS", "Program", "fit_reason", "per_rank_reason", "shapes_of", "shares", "window"]
+__all__ = ["AXIS", "Program", "ShapesDiffer", "fit_reason", "per_rank_reason", "shapes_of", "shares", "window"]
 
 log = logging.getLogger("synkhronos")
 
@@ -54,6 +54,13 @@ AXIS = "ranks"
 
 STACKED = "stacked"
 """How an output leaves the program when the master combines it (see the module docstring)."""
+
+
+class ShapesDiffer(ValueError):
+    """Raised when tracing an uneven call's program: an output (or updated value) has other shapes
+    in the branches than its op can combine (a ``sum`` of rows that follow the row count, say).
+    Every rank finds it alike; the call then runs per rank, where the master's combine raises the
+    user's ValueError (:func:`synkhronos.reduce_ops.common_shape`)."""
 
 
 def per_rank_reason(rep: Replica, plan: CallPlan) -> str | None:
@@ -227,6 +234,8 @@ class Program:
             return (*results, *news)
 
         self.branches = branches
+        self.shapes_differ = False
+        """Whether tracing found :class:`ShapesDiffer` (the call then runs per rank)."""
         n_in = len(fgraph.inputs)
         if branches:
             body = _uneven_body(local, branches, self.n_scattered, donate, forms, dtypes, update_dtypes)
@@ -333,11 +342,14 @@ def _uneven_body(local: Any, branches: tuple[int, ...], n_scattered: int, donate
         for i in range(n_out + len(update_dtypes)):
             found = [s[i] for s in shapes.values()]
             what = f"output {i}" if i < n_out else f"updated value {i - n_out}"
-            if i in gathered and forms[i] == "gather":
-                common_shape("gather", found, what)
-                out_shapes.append((max(s[0] for s in found), *found[0][1:]) if found[0] else ())
-            else:
-                out_shapes.append(common_shape("avg", found, what))
+            try:
+                if i in gathered and forms[i] == "gather":
+                    common_shape("gather", found, what)
+                    out_shapes.append((max(s[0] for s in found), *found[0][1:]) if found[0] else ())
+                else:
+                    out_shapes.append(common_shape("avg", found, what))
+            except ValueError as exc:
+                raise ShapesDiffer(str(exc)) from None
 
         def branch(k: int) -> Any:
             def go(*a: Any) -> tuple[Any, ...]:

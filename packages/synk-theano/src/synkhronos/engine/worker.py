@@ -26,7 +26,16 @@ from synk_comm import Group, handler
 from synkhronos import calls
 from synkhronos.engine import CALL, JOIN, PER_RANK, PROGRAM, VALUE, launch
 from synkhronos.engine.device import EngineDevice
-from synkhronos.engine.program import AXIS, Program, fit_reason, per_rank_reason, shapes_of, shares, window
+from synkhronos.engine.program import (
+    AXIS,
+    Program,
+    ShapesDiffer,
+    fit_reason,
+    per_rank_reason,
+    shapes_of,
+    shares,
+    window,
+)
 from synkhronos.runtime import Runtime, current, set_current
 
 __all__ = ["Ranks"]
@@ -89,6 +98,8 @@ def _call(group: Group, _payload: None) -> None:
     counts = shares(rep, plan)
     branches = tuple(sorted(set(counts))) if counts else ()
     program = None if reason else rt.engine.program(rt, plan.fid, plan.subset, found[1] if found else 0, branches)
+    if program is not None and branches and program.shapes_differ:
+        program = None  # outputs whose shapes follow the rows: per rank, where the master says what differs
     if program is None:
         if rep.has_collectives:
             raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only in one "
@@ -97,7 +108,12 @@ def _call(group: Group, _payload: None) -> None:
         group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
         return
     scattered, bcast = calls.rank_inputs(rt, plan)
-    outputs = program(rt.device, scattered, bcast, found[0][rt.rank] if found else 0)
+    try:
+        outputs = program(rt.device, scattered, bcast, found[0][rt.rank] if found else 0)
+    except ShapesDiffer:  # found when tracing, alike in every rank: they all run it per rank instead
+        program.shapes_differ = True
+        _call(group, _payload)
+        return
     # Every rank waits for its program: a failure inside it (an error, or a peer gone from a
     # collective) then surfaces in this call, as the rank's exception.
     program.wait()
