@@ -175,6 +175,31 @@ def test_uneven_shares_run_in_the_program_and_equal_numpy(engine, rng, caplog, e
     np.testing.assert_allclose(sub[1], refs[0], rtol=1e-12)
 
 
+def test_uneven_shares_give_plain_pytensors_full_batch_loss_and_gradient(engine, rng, caplog):
+    """A mean loss and its gradient, declared avg: weighted by rows they are plain PyTensor's on the
+    whole batch, however the rows split; each rank's update uses its own gradient."""
+    n = engine
+    x, y = pt.matrix("x"), pt.matrix("y")
+    w0 = rng.standard_normal((3, 2))
+    w = pytensor.shared(w0.copy(), name="w")
+    loss = pt.mean((pt.tanh(x.dot(w)) - y) ** 2)
+    grad = pytensor.grad(loss, w)
+    f = synk.function([x, y], outputs=[(loss, "avg"), (grad, "avg")], updates=[(w, w - 0.1 * grad)])
+    plain = pytensor.function([x, y], [loss, grad])
+    local = pytensor.function([x, y], grad, givens=[(w, pytensor.shared(w0))])
+    for rows in (2 * n + 1, 3 * n - 1):
+        for r in range(n):
+            synk.set_value(r, w, w0)
+        xd, yd = rng.standard_normal((rows, 3)), rng.standard_normal((rows, 2))
+        with caplog.at_level(logging.INFO, logger="synkhronos"):
+            got = f(synk.data(xd), synk.data(yd))
+        for g, want in zip(got, plain(xd, yd)):
+            np.testing.assert_allclose(g, want, rtol=1e-10)
+        for r, (px, py) in enumerate(zip(parts(xd, n), parts(yd, n))):
+            np.testing.assert_allclose(synk.get_value(r, w), w0 - 0.1 * local(px, py), rtol=1e-10)
+    assert not per_rank_logged(caplog)
+
+
 def test_num_slices_and_batch_s_run_per_rank_and_are_right(engine, rng, caplog):
     n = engine
     x = pt.matrix("x")
