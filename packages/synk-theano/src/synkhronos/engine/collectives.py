@@ -227,6 +227,11 @@ def _assign(rt: Runtime, variables: list[Any], values: list[Any], rows: list[Any
 
 
 def _store(rt: Runtime, variables: list[Any], results: Any) -> None:
+    """Keep a program's results as the variables' values, once it has finished: a failure inside
+    it (a peer gone from the collective) surfaces in this command, as in a call."""
+    import jax
+
+    jax.block_until_ready(results)
     device = cast("EngineDevice", rt.device)
     for var, glob in zip(variables, results):
         device.store(var, glob)
@@ -263,12 +268,15 @@ def _collect(group: Group, payload: tuple[str, list[int], Any]) -> None:
 
         _store(rt, variables, _jitted(rt, ("broadcast", len(sids)), bcast, len(sids))(*_operands(rt, variables, arg)))
     elif action in ("all_reduce", "reduce"):
+        import jax
+
         op, in_place = (arg, True) if action == "all_reduce" else arg
 
         def reduce(*xs: Any) -> tuple[Any, ...]:
             return tuple(_reduced(op, x) for x in xs)
 
         results = _jitted(rt, ("reduce", op, len(sids)), reduce, len(sids))(*_operands(rt, variables))
+        jax.block_until_ready(results)
         if action == "all_reduce" or (in_place and rt.rank == 0):
             _store(rt, variables, results)
         if action == "reduce":
