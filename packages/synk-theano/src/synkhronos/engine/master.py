@@ -107,7 +107,8 @@ def _program_outputs(rep: Replica, plan: calls.CallPlan, ops: list[str], values:
 
 
 def _log_per_rank(rt: Runtime, rep: Replica, reason: str | None) -> None:
-    reason = reason or "its JAX form takes shape arguments"
+    reason = reason or ("its JAX form takes shape arguments, or (uneven shares) an output's shape follows the rows "
+                        "under an op that needs one shape")
     key = (rep.spec.fid, reason)
     if key not in rt.engine.logged:
         rt.engine.logged.add(key)
