@@ -71,7 +71,8 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         None: GPU mode on a machine with GPUs, else CPU mode.  False: CPU mode with
         ``n_parallel`` worker processes.  True: GPU mode (an error without GPUs).
     master_rank : int
-        The master's rank (in GPU mode, the index of its GPU), in ``[0, n_parallel)``.
+        The master's rank, in ``[0, n_parallel)``, under the per-rank engine (in GPU mode with
+        ``engine="ranks"``, the index of its GPU).  The JAX engine's master has no rank: leave 0.
     profile_workers : bool
         Write a cProfile file per worker (``synkhronos_worker_rank<r>.prof`` in the working
         directory) when it exits.
