@@ -21,13 +21,15 @@ import pytest
 pytest.importorskip("jax")
 
 from synk_engine_ops import RankSum, Stall
-from synk_testutil import TIMEOUT, assert_no_workers_left, combine, own_entries, parts
+from synk_testutil import TIMEOUT, USE_GPU, assert_no_workers_left, combine, own_entries, parts
 
 import synkhronos as synk
 from synkhronos.runtime import current
 
 pytestmark = [pytest.mark.timeout(TIMEOUT),
-              pytest.mark.filterwarnings("ignore:Numba will use object mode:UserWarning")]
+              pytest.mark.filterwarnings("ignore:Numba will use object mode:UserWarning"),
+              pytest.mark.skipif(USE_GPU, reason="forks use_gpu=False whatever SYNK_TEST_GPU says: it runs in the "
+                                                 "CPU-mode pass (GPU mode's pass runs the whole suite on the engine)")]
 
 PER_RANK = "runs as per-rank programs"
 
