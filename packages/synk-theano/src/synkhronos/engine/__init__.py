@@ -1,6 +1,6 @@
 """The engine: a Synkhronos function as ONE compiled program over every rank, on JAX's
-multi-process runtime.  Switched on by ``synk.fork(..., engine="jax")`` (default from the
-``SYNK_ENGINE`` environment variable; without either, the per-rank engine runs).
+multi-process runtime: GPU mode's engine (``synk.fork()`` on GPUs), and CPU mode's with
+``synk.fork(..., engine="jax")``; ``SYNK_ENGINE`` sets the default (:func:`choose`).
 
 Who does what
     * The **master** (the user's process) never joins JAX's runtime.  It checks a call's
