@@ -1,7 +1,8 @@
 """Every routine task of the Synkhronos monorepo is a nox session.
 
     nox -s tests        every package's tests, CPU mode, on Python 3.11 and 3.12; on 3.12 also the
-                        synkhronos suite in GPU mode on JAX's CPU backend (SYNK_EMULATE_GPUS)
+                        synkhronos suite in GPU mode (the JAX engine) on JAX's CPU devices
+                        (SYNK_EMULATE_GPUS)
     nox -s lint         ruff
     nox -s typecheck    mypy on the packages
     nox -s demo         the main job (see README)
@@ -78,7 +79,7 @@ def install_packages(session: nox.Session) -> None:
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
     """Every package's tests (CPU mode; GPU tests skip without 2 GPUs); on 3.12, the synkhronos suite
-    again in GPU mode on JAX's CPU backend."""
+    again in GPU mode (the JAX engine) on JAX's CPU devices."""
     install_packages(session)
     # the digits data (MNIST job test); JAX, CPU mode's default backend (synk-theano[cpu])
     session.install(f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]", f"{ROOT / 'packages' / 'synk-theano'}[cpu]",
@@ -88,10 +89,9 @@ def tests(session: nox.Session) -> None:
         paths.append(str(ROOT / "tests"))
     session.run("pytest", *paths, *session.posargs, env={"PYTHONUNBUFFERED": "1"})
     if session.python == "3.12" and not session.posargs:
-        # GPU mode's code paths (JAX backend, values as JAX arrays, chain, GPU-mode fixtures) on
-        # JAX's CPU backend, collectives through shared memory: what CI can check of GPU mode.  With
-        # JAX installed, test_synk_engine.py also runs the JAX engine (fork(engine="jax")) in 2 and 3
-        # worker processes on JAX's CPU devices (gloo).
+        # GPU mode's code paths on JAX's CPU devices: the whole suite on the JAX engine (GPU mode's
+        # engine), its workers joined by JAX's multi-process runtime, collectives over gloo -- what
+        # CI can check of GPU mode; test_synk_engine.py also runs the engine in 2 and 3 workers.
         session.install("jax")
         session.run("pytest", str(ROOT / "packages" / "synk-theano" / "tests"),
                     env={"PYTHONUNBUFFERED": "1", "SYNK_EMULATE_GPUS": "2", "SYNK_TEST_GPU": "1",

@@ -10,7 +10,7 @@ Each variant runs in a fresh interpreter (its own GPU memory peak), all in one r
                 batch from a ``synk.data`` (``batch=``)
 ``engine_dev``  the same with the data set on the GPU in sliceable shared variables, the batch a
                 ``batch_s`` window read inside the program (compare with ``plain_dev``)
-``ranks``       ``synk.fork(1, use_gpu=True)``: the per-rank engine (the master computes)
+``ranks``       ``synk.fork(1, use_gpu=True, engine="ranks")``: the per-rank engine (the master computes)
 
 Measured: the benchmark MLP 1024 -> 4 x 4096 (tanh) -> 10, softmax cross-entropy, SGD, float32
 (XLA's default precision: TF32 matmuls on Hopper), ms per step at batch 256 / 8192 / 16384 with

@@ -8,11 +8,9 @@
    GPU and on every GPU, beside PyTorch DDP (TF32) on the same shapes and the
    plain PyTensor JAX step on one GPU: step time, scaling, peak GPU memory.  Synkhronos:
    ``synk_lasagne.make_train_function`` with data scattered once into GPU memory (sliceable
-   shareds, ``batch_s``): one chained command per step (gradient into ONE flat shared vector,
-   NCCL all-reduce, SGD update).
-3. Tiny-call overhead: a synk function on a 4x2 input against the plain PyTensor JAX function;
-   and a function's output of 4 KiB to 128 MiB per rank, combined through the host replies and
-   through collectives (NCCL), side by side: where :data:`synkhronos.outputs.MIN_BYTES` belongs.
+   shareds, ``batch_s``): one program per step on the JAX engine (gradient, XLA's all-reduce,
+   SGD update).
+3. Tiny-call overhead: a synk function on a 4x2 input against the plain PyTensor JAX function.
 4. Throughput against batch size, 1 and n GPUs, ours and DDP's (PNG, when matplotlib exists).
 
 Prints markdown tables and writes ``$OUT/bench_gpu.json`` (and the PNG).
@@ -54,7 +52,7 @@ def synk_all_reduce(n: int, nbytes: int, iters: int = 50) -> float:
     s = pytensor.shared(np.ones(nbytes // 4, dtype="float32"), name="big")
     first = synk.function([], outputs=(s[0], "max"))
     first()
-    for _ in range(10):  # result memory settles into its steady rotation (synk_comm.jax_stream.Results)
+    for _ in range(10):  # warm-up (the first call compiles the all-reduce program)
         synk.all_reduce(s, op="max")
     first()
     blocks = []
@@ -425,43 +423,6 @@ def call_overhead(n: int, iters: int = 2000) -> tuple[float, float]:
     return ours, plain
 
 
-# --- 3b. the two paths of a function's outputs ---------------------------------------------------
-
-def output_paths(n: int, sizes: list[int], iters: int = 10) -> list[dict[str, Any]]:
-    """Seconds per call of a function whose one float32 output has ``nbytes`` per rank, combined by
-    ``sum`` and by gather, through the host replies and through collectives, alternating (best of
-    3 blocks each): the evidence for :data:`synkhronos.outputs.MIN_BYTES`."""
-    import pytensor
-    import pytensor.tensor as pt
-
-    import synkhronos as synk
-    from synkhronos import outputs
-
-    chosen = outputs.MIN_BYTES
-    synk.fork(n, use_gpu=USE_GPU)
-    x = pt.matrix("x", dtype="float32")
-    xd = synk.data(np.ones((2 * n, 2), dtype="float32"))
-    rows = []
-    for nbytes in sizes:
-        s = pytensor.shared(np.ones(nbytes // 4, dtype="float32"), name="s")
-        for op in ("sum", None):
-            f = synk.function([x], (s * x.sum(), op))
-            f(xd)  # compiles, and gives the output's size to the choice
-            best = {"host": float("inf"), "collective": float("inf")}
-            for _ in range(3):
-                for path, limit in (("host", float("inf")), ("collective", 0)):
-                    outputs.MIN_BYTES = limit  # type: ignore[assignment]
-                    f(xd)
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        f(xd)
-                    best[path] = min(best[path], (time.perf_counter() - t0) / iters)
-            rows.append({"bytes": nbytes, "op": op or "gather", **best})
-    outputs.MIN_BYTES = chosen
-    synk.close()
-    return rows
-
-
 def main() -> None:
     import synk_comm
 
@@ -484,15 +445,6 @@ def main() -> None:
     results["tiny_call_us"] = {"synk": overhead * 1e6, "plain_jax": plain * 1e6}
     print(f"\n## tiny call\n\nsynk {overhead * 1e6:.1f} us, plain PyTensor JAX {plain * 1e6:.1f} us, "
           f"overhead {(overhead - plain) * 1e6:.1f} us", flush=True)
-
-    sizes = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 128 << 20]
-    paths = output_paths(n, sizes)
-    results["output_paths_ms"] = paths
-    print("\n## a function's output: host replies against collectives (ms per call)\n")
-    print("| output per rank | op | host | collectives | host / collectives |\n|---:|---|---:|---:|---:|")
-    for row in paths:
-        print(f"| {row['bytes'] >> 10} KiB | {row['op']} | {row['host'] * 1e3:.3f} | {row['collective'] * 1e3:.3f} | "
-              f"{row['host'] / row['collective']:.2f}x |", flush=True)
 
     batches = [int(b) for b in os.environ.get("SYNK_BENCH_BATCHES", "2048,8192,16384").split(",")]
     from synkhronos.gpu import visible_devices

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite and the GPU benchmarks in one call of the device tool (nvidia-h200-x2):
 #   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash gpu/run_device.sh")
-# The machine has no network: PyTensor 3.3.7 and its pure-Python dependencies, nccl4py and
-# posix_ipc travel as cp312 wheels in .whl/ (see gpu/README.md); our packages run from source.
+# The machine has no network: PyTensor 3.3.7 and its pure-Python dependencies, nccl4py (for
+# synk_comm.nccl's own tests) and posix_ipc travel as cp312 wheels in .whl/ (see gpu/README.md);
+# our packages run from source.  GPU mode runs on the JAX engine (synkhronos.engine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/synk-out}; mkdir -p "$OUT"
@@ -14,19 +15,20 @@ nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
 what=${1:-all}  # all | tests | bench | comm | profile | mnist | engine | hot | resnet | resnet-fp32 | lasagne | cpu
-# The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode
-# (float64: the tests' numpy data), as four pytest processes at once: each forks its own groups
-# over both GPUs (no preallocation), so they share the GPUs; their compile time runs in parallel.
+# The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
+# the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
+# groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
+# parallel.  Tests of more GPUs than the machine has skip.  Fits one device call (<= 540 s).
 if [ "$what" = all ] || [ "$what" = tests ]; then
   T=packages/synk-theano/tests
   # the two GPU-marker suites one after the other, each in a pytest process of its own
   (for suite in packages/synk-comm/tests/test_comm_gpu.py $T/test_synk_gpu.py; do
-     timeout 270 python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" || exit 1
+     timeout 200 python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" || exit 1
    done) > "$OUT/gpu_tests.log" 2>&1 & pids=$!
   mapfile -t modules < <(ls "$T"/test_synk_*.py | grep -v test_synk_gpu.py)
   for part in 0 1 2; do  # every third module
     files=""; for ((i = part; i < ${#modules[@]}; i += 3)); do files="$files ${modules[$i]}"; done
-    SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 500 python3 -m pytest -p no:cacheprovider -q $files \
+    SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 450 python3 -m pytest -p no:cacheprovider -q -rs $files \
       > "$OUT/gpu_suite_$part.log" 2>&1 & pids="$pids $!"
   done
   for pid in $pids; do wait "$pid" || status=1; done
@@ -41,7 +43,7 @@ fi
 if [ "$what" = all ] || [ "$what" = engine ]; then  # the JAX engine: its GPU tests, then one GPU against plain
   timeout 240 python3 -m pytest -p no:cacheprovider -q -s packages/synk-theano/tests/test_synk_engine_gpu.py 2>&1 \
     | tee "$OUT/engine_gpu_tests.log" || status=1
-  timeout 300 python3 benchmarks/bench_engine.py 2>&1 | tee "$OUT/bench_engine.log" || status=1
+  timeout 280 python3 benchmarks/bench_engine.py 2>&1 | tee "$OUT/bench_engine.log" || status=1
 fi
 if [ "$what" = hot ]; then  # the engine's call path: its GPU tests, the one-GPU table, where a call's time goes
   timeout 150 python3 -m pytest -p no:cacheprovider -q packages/synk-theano/tests/test_synk_engine_gpu.py 2>&1 \

@@ -25,17 +25,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from synk_testutil import USE_GPU, assert_no_workers_left, own_entries, rank_counts  # noqa: E402
+from synk_testutil import USE_GPU, assert_no_workers_left, max_ranks, own_entries, rank_counts  # noqa: E402
 
 import synkhronos as synk  # noqa: E402
 from synkhronos.runtime import current  # noqa: E402
 
+ONE_GPU_MODULES = ("test_synk_engine.py", "test_synk_engine_gpu.py", "test_synk_gpu.py", "test_synk_layout.py")
+"""Modules that need no GPU mode fork of 2 ranks (or skip by themselves)."""
+
 
 def pytest_collection_modifyitems(config, items):
-    """In GPU mode, tests marked ``cpu_only(reason)`` skip with their reason."""
+    """In GPU mode, tests marked ``cpu_only(reason)`` skip with their reason; with fewer than 2
+    GPUs the suite's GPU-mode tests skip (they fork 2 and 3 ranks, one GPU each): one GPU runs
+    the engine's own tests (``test_synk_engine_gpu.py``)."""
     if not USE_GPU:
         return
+    gpus = max_ranks()
     for item in items:
+        if gpus < 2 and os.path.basename(str(item.fspath)) not in ONE_GPU_MODULES:
+            item.add_marker(pytest.mark.skip(reason=f"GPU mode's suite forks 2 and 3 ranks: needs 2 GPUs ({gpus} "
+                                                    "visible)"))
+            continue
         marker = item.get_closest_marker("cpu_only")
         if marker is not None:
             reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")

@@ -30,6 +30,14 @@ TIMEOUT = 120
 
 USE_GPU = os.environ.get("SYNK_TEST_GPU", "").strip() not in ("", "0")
 """``SYNK_TEST_GPU=1``: the suite runs in GPU mode (``use_gpu=True``; tests marked ``cpu_only`` skip)."""
+ON_ENGINE = (os.environ.get("SYNK_ENGINE", "").strip() or ("jax" if USE_GPU else "ranks")) == "jax"
+"""Whether the suite's forks run on the JAX engine (GPU mode's default; ``SYNK_ENGINE`` chooses):
+the master computes nothing and holds no value of its own, every rank is a worker process."""
+
+
+def n_workers(n: int) -> int:
+    """Worker processes of a fork of ``n`` ranks (the per-rank engine's master is a rank)."""
+    return n if ON_ENGINE else n - 1
 
 
 def max_ranks() -> int:

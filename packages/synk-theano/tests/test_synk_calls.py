@@ -12,7 +12,6 @@ import pytest
 from synk_testutil import TIMEOUT, parts
 
 import synkhronos as synk
-from synkhronos.runtime import current
 
 pytestmark = pytest.mark.timeout(TIMEOUT)
 
@@ -290,46 +289,21 @@ def test_givens_and_pytensor_keyword_arguments(ranks):
     np.testing.assert_allclose(unused(X, synk.data(np.zeros(2))), np.average(per_rank, weights=weights), rtol=1e-12)
 
 
-# --- outputs through collectives (GPU mode) ----------------------------------------------------------
-
-@pytest.fixture
-def through_collectives(monkeypatch):
-    """Every output of at least 0 bytes goes through collectives (from a function's second call
-    on); yields the list of output positions each call combined that way, in the master."""
-    from synkhronos import calls, outputs
-
-    monkeypatch.setattr(outputs, "MIN_BYTES", 0)
-    seen: list[list[int]] = []
-    real = outputs.reduce_on_device
-
-    def spy(rt, weight, outs, ops, variables, mask):
-        seen.append(outputs.chosen(mask, len(ops)))
-        return real(rt, weight, outs, ops, variables, mask)
-
-    monkeypatch.setattr(calls.outputs_path, "reduce_on_device", spy)
-    return seen
-
+# --- outputs: every op, uneven splits, ranks without rows ---------------------------------------------
 
 @pytest.mark.parametrize("n_rows", [10, 7, 2, 1])
-def test_outputs_through_collectives_match_numpy(fns, ranks, n_rows, through_collectives):
-    """Every reduce op, with uneven splits and ranks without rows (which contribute the op's
-    identity), gives what the host path gives; gathered outputs stay on the host path; CPU mode
-    never takes the collective path."""
+def test_outputs_with_uneven_splits_match_numpy(fns, ranks, n_rows):
+    """Every reduce op, with uneven splits and ranks without rows (left out), repeated calls."""
     xd, yd = values(n_rows, seed=5)
     X, Y = synk.data(xd), synk.data(yd)
     expected = reference(xd, yd, ranks)
-    fns.f(X, Y)  # a function's first call takes the host path; it informs the choice of the next
-    del through_collectives[:]
-    for _ in range(2):
+    for _ in range(3):
         assert_outputs(fns.f(X, Y), expected)
-    reduced = [i for i, op in enumerate(OPS) if op is not None]
-    assert through_collectives == ([reduced] * 2 if current().device.use_gpu else [])
 
 
-def test_outputs_through_collectives_mixed_with_host_outputs(ranks, through_collectives):
-    """An int avg stays on the host path (NCCL would average in integers), as does a gathered
-    output, beside int outputs that take the collective path; an output subset has its own
-    history."""
+def test_integer_outputs_and_output_subsets(ranks):
+    """Integer outputs of every op (an int avg is a float mean) beside a gathered one, with and
+    without an output subset."""
     xi = pt.matrix("xi", dtype="int64")
     f = synk.function([xi], [(xi.sum(axis=0), "sum"), (xi.max(axis=0), "max"), (xi.min(axis=0), "min"),
                              xi.sum(axis=0), (xi * 2, None)])
@@ -343,13 +317,10 @@ def test_outputs_through_collectives_mixed_with_host_outputs(ranks, through_coll
         for g, e in zip(got, expected):
             np.testing.assert_allclose(g, e, rtol=1e-12)
         np.testing.assert_array_equal(f(X, output_subset=[4, 0])[0], xd * 2)
-    if current().device.use_gpu:  # calls 2 and 3 of each: all but the int avg and the gather
-        assert through_collectives == [[0, 1, 2], [1]] * 2
 
 
-def test_output_shapes_that_differ_between_ranks_raise_in_every_rank(ranks, through_collectives):
-    """An output summed over the ranks must have one shape; through collectives every rank finds
-    the mismatch before anything moves, and the group goes on."""
+def test_output_shapes_that_differ_between_ranks_raise(ranks):
+    """An output summed over the ranks must have one shape: a ValueError, and the group goes on."""
     x = pt.matrix("x", dtype="float64")
     f = synk.function([x], (x.sum(axis=1), "sum"))
     X = synk.data(np.ones((2 * ranks, 3)))

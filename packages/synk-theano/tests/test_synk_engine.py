@@ -21,13 +21,15 @@ import pytest
 pytest.importorskip("jax")
 
 from synk_engine_ops import RankSum, Stall
-from synk_testutil import TIMEOUT, assert_no_workers_left, combine, own_entries, parts
+from synk_testutil import TIMEOUT, USE_GPU, assert_no_workers_left, combine, own_entries, parts
 
 import synkhronos as synk
 from synkhronos.runtime import current
 
 pytestmark = [pytest.mark.timeout(TIMEOUT),
-              pytest.mark.filterwarnings("ignore:Numba will use object mode:UserWarning")]
+              pytest.mark.filterwarnings("ignore:Numba will use object mode:UserWarning"),
+              pytest.mark.skipif(USE_GPU, reason="forks use_gpu=False whatever SYNK_TEST_GPU says: it runs in the "
+                                                 "CPU-mode pass (GPU mode's pass runs the whole suite on the engine)")]
 
 PER_RANK = "runs as per-rank programs"
 
@@ -136,17 +138,74 @@ def test_batch_indices_slices_and_counts(engine, rng, caplog):
 
 # --- what runs per rank, still right ---------------------------------------------------------------
 
-def test_uneven_shares_num_slices_and_batch_s_run_per_rank_and_are_right(engine, rng, caplog):
+@pytest.mark.parametrize("extra", [1, -1], ids=["one-more", "zero-row-rank"])
+def test_uneven_shares_run_in_the_program_and_equal_numpy(engine, rng, caplog, extra):
+    """Uneven shares (2n+1 rows; or n-1 rows: one rank has none) run in one program, each rank's
+    branch on exactly its rows: a mean over the rows, an output whose length follows the rows,
+    an integer avg, a 0-d gather and the updates are those of numpy's split."""
+    n = engine
+    x = pt.matrix("x")
+    w = pytensor.shared(np.zeros(3), name="w")
+    steps = pytensor.shared(np.int64(0), name="steps")
+    outputs = [(x.mean(axis=0), "avg"), (pt.exp(x).sum(), "sum"), (x.max(axis=0), "max"), (x.min(), "min"),
+               (1 + 0.01 * x.sum(axis=0), "prod"), (x * 2, None), (x.shape[0], "avg"), (x.mean(), None),
+               (x[:-1], None)]
+    f = synk.function([x], outputs=outputs, updates=[(w, w + x.mean(axis=0)), (steps, steps + 1)])
+    rows = 2 * n + 1 if extra == 1 else n - 1
+    xd = rng.standard_normal((rows, 3))
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(synk.data(xd))
+    assert not per_rank_logged(caplog)
+    ps = parts(xd, n)
+    ps_all, ps = ps, [p for p in ps if len(p)]  # combine leaves ranks without rows out
+    wt = [len(p) for p in ps]
+    refs = [combine("avg", [p.mean(axis=0) for p in ps], wt), combine("sum", [np.exp(p).sum() for p in ps], wt),
+            combine("max", [p.max(axis=0) for p in ps], wt), combine("min", [p.min() for p in ps], wt),
+            combine("prod", [1 + 0.01 * p.sum(axis=0) for p in ps], wt), xd * 2,
+            combine("avg", [float(len(p)) for p in ps], wt), combine(None, [p.mean() for p in ps], wt),
+            combine(None, [p[:-1] for p in ps], wt)]
+    for i, (g, r) in enumerate(zip(got, refs)):
+        np.testing.assert_allclose(g, r, rtol=1e-12, err_msg=f"output {i}")
+    np.testing.assert_allclose(refs[0], xd.mean(axis=0), rtol=1e-12)  # the weighted avg is the single-process mean
+    for r, p in enumerate(ps_all):  # a rank without rows keeps its values (it computed nothing)
+        np.testing.assert_allclose(synk.get_value(r, w), p.mean(axis=0) if len(p) else np.zeros(3), rtol=1e-12)
+        assert int(synk.get_value(r, steps)) == (1 if len(p) else 0)
+        synk.set_value(r, w, np.zeros(3))
+        synk.set_value(r, steps, np.int64(0))
+    sub = f(synk.data(xd), output_subset=[5, 0])
+    np.testing.assert_allclose(sub[0], xd * 2, rtol=1e-12)
+    np.testing.assert_allclose(sub[1], refs[0], rtol=1e-12)
+
+
+def test_uneven_shares_give_plain_pytensors_full_batch_loss_and_gradient(engine, rng, caplog):
+    """A mean loss and its gradient, declared avg: weighted by rows they are plain PyTensor's on the
+    whole batch, however the rows split; each rank's update uses its own gradient."""
+    n = engine
+    x, y = pt.matrix("x"), pt.matrix("y")
+    w0 = rng.standard_normal((3, 2))
+    w = pytensor.shared(w0.copy(), name="w")
+    loss = pt.mean((pt.tanh(x.dot(w)) - y) ** 2)
+    grad = pytensor.grad(loss, w)
+    f = synk.function([x, y], outputs=[(loss, "avg"), (grad, "avg")], updates=[(w, w - 0.1 * grad)])
+    plain = pytensor.function([x, y], [loss, grad])
+    local = pytensor.function([x, y], grad, givens=[(w, pytensor.shared(w0))])
+    for rows in (2 * n + 1, 3 * n - 1):
+        for r in range(n):
+            synk.set_value(r, w, w0)
+        xd, yd = rng.standard_normal((rows, 3)), rng.standard_normal((rows, 2))
+        with caplog.at_level(logging.INFO, logger="synkhronos"):
+            got = f(synk.data(xd), synk.data(yd))
+        for g, want in zip(got, plain(xd, yd)):
+            np.testing.assert_allclose(g, want, rtol=1e-10)
+        for r, (px, py) in enumerate(zip(parts(xd, n), parts(yd, n))):
+            np.testing.assert_allclose(synk.get_value(r, w), w0 - 0.1 * local(px, py), rtol=1e-10)
+    assert not per_rank_logged(caplog)
+
+
+def test_num_slices_and_batch_s_run_per_rank_and_are_right(engine, rng, caplog):
     n = engine
     x = pt.matrix("x")
     f = synk.function([x], outputs=[(x.sum(axis=0), "avg"), (x, None)])
-    xd = rng.standard_normal((2 * n + 1, 3))
-    with caplog.at_level(logging.INFO, logger="synkhronos"):
-        got = f(synk.data(xd))
-    assert "uneven shares" in caplog.text
-    np.testing.assert_allclose(got[0], combine("avg", [p.sum(axis=0) for p in parts(xd, n)],
-                                               [len(p) for p in parts(xd, n)]), rtol=1e-12)
-    np.testing.assert_allclose(got[1], xd, rtol=1e-12)
     xd = rng.standard_normal((4 * n, 3))
     got = f(synk.data(xd), num_slices=2)
     np.testing.assert_allclose(got[0], xd.sum(axis=0) / (2 * n), rtol=1e-12)  # avg of the 2n slices' sums
@@ -224,7 +283,7 @@ def test_a_graph_with_collectives_refuses_to_run_per_rank(engine, rng):
 
 
 def test_collectives_on_shared_variables_and_chain(engine, rng):
-    """Carried out by the master (engine.collectives); a chain runs its three operations one by one."""
+    """Programs over the ranks (engine.collectives); a chain runs its three operations one by one."""
     n = engine
     w = pytensor.shared(np.zeros(3), name="w")
     f = synk.function([], outputs=(w.sum(), "sum"))
@@ -248,6 +307,61 @@ def test_collectives_on_shared_variables_and_chain(engine, rng):
     step = synk.chain(f, all_reduce=w, op="sum", then=synk.function([], updates=[(w, w * 2)]))
     assert step() == pytest.approx(3 * n)  # first's output, before the all-reduce
     np.testing.assert_allclose(synk.gather(w), np.full((n, 3), 2.0 * n))
+
+
+def test_collectives_run_as_programs_and_equal_numpy(engine, rng):
+    """Every op and dtype of all_reduce / reduce, broadcast over ranks of other shapes, all_gather of
+    uneven lengths, scatter and set_value from Data (read by the workers) and numpy."""
+    n = engine
+    f = pytensor.shared(np.zeros(3), name="f")
+    i = pytensor.shared(np.zeros(3, dtype="int32"), name="i")
+    b = pytensor.shared(np.zeros(3, dtype=bool), name="b")
+    m = pytensor.shared(np.zeros((1, 2)), name="m")
+    synk.function([], outputs=f.sum() + i.sum() + b.sum() + m.sum())
+    fs = rng.standard_normal((n, 3))
+    is_ = rng.integers(-5, 5, (n, 3)).astype("int32")
+    bs = rng.random((n, 3)) < 0.5
+
+    def set_all():
+        for r in range(n):
+            synk.set_value(r, [f, i, b], [fs[r], is_[r], bs[r]])
+
+    for op, ufunc in [("sum", np.add), ("prod", np.multiply), ("max", np.maximum), ("min", np.minimum)]:
+        set_all()
+        got = synk.reduce([f, i, b], op=op, in_place=False)
+        for g, vals in zip(got, [fs, is_, bs]):
+            np.testing.assert_allclose(g, ufunc.reduce(vals, axis=0).astype(vals.dtype), rtol=1e-12)
+            assert g.dtype == vals.dtype
+        synk.all_reduce([f, i, b], op=op)
+        for var, vals in zip([f, i, b], [fs, is_, bs]):
+            want = np.tile(ufunc.reduce(vals, axis=0).astype(vals.dtype), (n, 1))
+            np.testing.assert_allclose(synk.gather(var), want, rtol=1e-12)
+    set_all()
+    synk.all_reduce(f, op="avg")
+    np.testing.assert_allclose(synk.gather(f), np.tile(fs.mean(axis=0), (n, 1)), rtol=1e-12)
+    set_all()
+    synk.reduce(f, op="max")  # in place: compute rank 0 only
+    np.testing.assert_allclose(synk.gather(f), np.vstack([fs.max(axis=0), fs[1:]]), rtol=1e-12)
+    with pytest.raises(TypeError, match="avg"):
+        synk.all_reduce(i, op="avg")
+    rows = rng.standard_normal((2 * n + 1, 2))  # uneven: one rank a row more than the others
+    synk.scatter(m, synk.data(rows))
+    assert synk.get_lengths(m) == [len(p) for p in parts(rows, n)]
+    assert synk.get_shapes(m) == [p.shape for p in parts(rows, n)]
+    with pytest.raises(ValueError, match="same shape"):
+        synk.all_reduce(m, op="sum")
+    synk.all_gather(m)
+    np.testing.assert_allclose(synk.gather(m, nd_up=0), np.concatenate([rows] * n), rtol=1e-12)
+    synk.scatter(m, rows, batch=[0, 2, 4])  # numpy values and indices
+    np.testing.assert_allclose(synk.gather(m, nd_up=0), rows[[0, 2, 4]], rtol=1e-12)
+    synk.set_value(n - 1, m, synk.data(rows), batch=slice(1, 3))
+    np.testing.assert_allclose(synk.get_value(n - 1, m), rows[1:3], rtol=1e-12)
+    synk.set_value(0, m, np.ones((4, 2)))
+    synk.broadcast(m)  # rank 0's value, whatever the others held
+    np.testing.assert_allclose(synk.gather(m), np.ones((n, 4, 2)))
+    synk.broadcast([f, b], values=[synk.data(fs[0]), bs[1]])
+    np.testing.assert_allclose(synk.gather(f), np.tile(fs[0], (n, 1)))
+    np.testing.assert_array_equal(synk.gather(b), np.tile(bs[1], (n, 1)))
 
 
 def test_values_stay_readable_after_close(engine, rng):

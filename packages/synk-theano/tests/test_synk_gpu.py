@@ -1,9 +1,9 @@
-"""GPU mode on 2+ GPUs (``gpu`` marker): PyTensor's JAX backend per GPU, NCCL collectives.
+"""GPU mode on 2+ GPUs (``gpu`` marker): the JAX engine, one program over the GPUs per call.
 
 Run in its own pytest process (the master must not have started JAX on every GPU before
 ``fork``): ``gpu/run_device.sh`` does.  References are numpy or the plain PyTensor function.  The
 tests give every variable its dtype (float32), so that they pass under any floatX; under
-``SYNK_EMULATE_GPUS=2`` they run on JAX's CPU backend (collectives then take the host path).
+``SYNK_EMULATE_GPUS=2`` they run on JAX's CPU devices (collectives over gloo).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ def test_introductory_example_matches_pytensor(synk) -> None:
 
 
 def test_shared_variable_example_numbers(synk) -> None:
-    import jax
     import pytensor
     import pytensor.tensor as pt
 
@@ -60,27 +59,23 @@ def test_shared_variable_example_numbers(synk) -> None:
     f.as_theano(x_dat.data)
     assert np.array_equal(s.get_value(), [10, 10])
     s.set_value(s_init)
-    f(x_dat)  # the first call distributes f: from now on s lives on each rank's GPU
-    assert isinstance(s.container.storage[0], jax.Array)
-    assert isinstance(s.get_value(), np.ndarray)
+    f(x_dat)  # the first call distributes f: from now on s lives on each worker's GPU
+    assert isinstance(s.get_value(), np.ndarray)  # worker 0's value (the seed's master's)
     local = np.stack([p.sum(0) for p in np.array_split(x_dat.data, _gpu_count())])  # [[3, 3], [7, 7]] on 2
     np.testing.assert_array_equal(s.get_value(), local[0])
     np.testing.assert_array_equal(synk.gather(s, nd_up=1), local)
     synk.reduce(s, op="sum")
     np.testing.assert_array_equal(synk.gather(s, nd_up=1), [[10, 10], *local[1:]])
     s.set_value(np.zeros(2, dtype="float32"))
-    assert isinstance(s.container.storage[0], jax.Array)  # set_value keeps it on the GPU
+    np.testing.assert_array_equal(synk.get_value(0, s), [0, 0])
     synk.broadcast(s, s_init)
     f(x_dat)
     synk.all_reduce(s, op="sum")
     np.testing.assert_array_equal(synk.gather(s, nd_up=1), np.full((_gpu_count(), 2), 10))
     np.testing.assert_array_equal(synk.gather(s, nd_up=1, nccl=False), np.full((_gpu_count(), 2), 10))
-    # a plain PyTensor function in the master shares the variable
-    g = pytensor.function([], s * 2)
-    np.testing.assert_array_equal(np.asarray(g()), [20, 20])
 
 
-def test_collectives_through_nccl_with_uneven_shapes(synk) -> None:
+def test_collectives_with_uneven_shapes(synk) -> None:
     import pytensor
 
     n = _gpu_count()

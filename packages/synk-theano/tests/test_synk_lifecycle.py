@@ -16,10 +16,12 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 from synk_testutil import (
+    ON_ENGINE,
     TIMEOUT,
     USE_GPU,
     assert_no_workers_left,
     max_ranks,
+    n_workers,
     own_entries,
     parts,
     run_script,
@@ -105,7 +107,7 @@ def test_use_gpu_without_gpu_is_value_error():
 def test_fork_twice_close_and_fork_again():
     assert synk.fork(2, use_gpu=USE_GPU) == 2
     prefix = current().group.prefix
-    assert len(worker_pids()) == 1
+    assert len(worker_pids()) == n_workers(2)
     f = row_function()
     xd = np.arange(14.0).reshape(7, 2)
     D = synk.data(xd)
@@ -124,7 +126,7 @@ def test_fork_twice_close_and_fork_again():
     np.testing.assert_array_equal(D.data, xd)  # Data stay usable in the master
 
     assert synk.fork(BIG, use_gpu=USE_GPU) == BIG
-    assert len(worker_pids()) == BIG - 1
+    assert len(worker_pids()) == n_workers(BIG)
     g = row_function()  # may get the same internal id as f
     with pytest.raises(RuntimeError, match="closed"):
         f(D)  # a function of the closed group
@@ -136,7 +138,7 @@ def test_fork_twice_close_and_fork_again():
 
 def test_one_rank():
     assert synk.fork(1, use_gpu=USE_GPU) == 1
-    assert worker_pids() == []
+    assert len(worker_pids()) == n_workers(1)
     check_row_function(row_function(), np.arange(10.0).reshape(5, 2), 1)
     s = pytensor.shared(np.arange(3.0), name="s")
     synk.function([], pt.sum(s))
@@ -197,7 +199,8 @@ print("master rank 1 ok")
 """
 
 
-@pytest.mark.skipif(not USE_GPU, reason="GPU mode only (CPU mode: test_master_rank_other_than_zero)")
+@pytest.mark.skipif(not USE_GPU or ON_ENGINE, reason="GPU mode's per-rank engine only (CPU mode: "
+                    "test_master_rank_other_than_zero; the JAX engine's master has no rank, master_rank stays 0)")
 def test_master_rank_other_than_zero_in_a_fresh_process(tmp_path):
     """GPU mode, master_rank=1 in a process that has not run JAX yet: the master takes rank 1's GPU."""
     script = tmp_path / "master_rank_1.py"
@@ -250,7 +253,7 @@ def test_default_n_parallel_is_the_cpu_rule_or_every_gpu():
     if USE_GPU:
         n = synk.fork()
         assert n == gpu_count()
-        assert current().device.kind == "gpu"
+        assert current().device.kind == ("engine-master" if ON_ENGINE else "gpu")
     else:
         cores = len(os.sched_getaffinity(0))
         n = synk.fork() if gpu_count() == 0 else synk.fork(use_gpu=False)
@@ -273,7 +276,7 @@ def test_workers_get_the_master_configuration_and_a_share_of_the_cores():
         synk.fork(2, use_gpu=USE_GPU)
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))
     pids = worker_pids()
-    assert len(pids) == 1
+    assert len(pids) == n_workers(2)
     for pid in pids:
         env = worker_environ(pid)
         flags = env["PYTENSOR_FLAGS"].split(",")
@@ -282,7 +285,7 @@ def test_workers_get_the_master_configuration_and_a_share_of_the_cores():
         if USE_GPU:
             from synkhronos.gpu import visible_devices
 
-            assert env["CUDA_VISIBLE_DEVICES"] == visible_devices()[1]
+            assert env["CUDA_VISIBLE_DEVICES"] in (visible_devices()[:2] if ON_ENGINE else [visible_devices()[1]])
             assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
             continue
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):

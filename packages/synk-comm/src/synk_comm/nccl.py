@@ -8,16 +8,12 @@ the framework's current stream and the call returns as soon as it is queued, as
 torch.distributed's collectives do; the framework's later work on that stream (and any read to
 the host) waits for it.
 
-JAX arrays are immutable, and JAX cannot be told to wait for a stream of ours.  ``all_reduce``
-runs NCCL on the stream that JAX keeps for outside work (:mod:`synk_comm.jax_stream`): the input
-is exported to it through DLPack, so NCCL is queued at once and starts, on the GPU, when JAX has
-written the input; a result of :data:`ASYNC_MIN_BYTES` or more lives in memory of synk_comm's,
-handed to JAX through DLPack with its ready event after NCCL, so the call returns at once and
-JAX's readers wait on the GPU (smaller results are waited for: see there).
-``all_reduce(x, out=y)`` writes into a JAX array's own memory instead, for callers that own
-``y``, and waits for NCCL on the host (JAX's readers of ``y`` would not).  The other collectives
-on JAX arrays, and ``all_reduce`` where JAX offers no such stream (its CPU backend), wait for
-their input on the host and synchronise the NCCL stream before returning.
+JAX arrays: the collective waits for the input on the host (JAX cannot be told to wait for a
+stream of ours), runs NCCL on this backend's own stream and waits for it before returning, so
+JAX's later readers see the result.  That host wait is the price of moving JAX arrays outside
+JAX: processes that compute in JAX are better joined by JAX's own runtime, whose collectives run
+inside the compiled program (Synkhronos' GPU engine, :mod:`synkhronos.engine`, does so).
+``all_reduce(x, out=y)`` writes into ``y``'s memory instead of a new array.
 
 The communicator is built on first use: the master rank makes the unique id and the group's
 shared-memory broadcast carries it to the others.  Shapes that differ between ranks (gather,
@@ -34,13 +30,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from synk_comm.collectives import Collectives
-from synk_comm.jax_stream import JaxStream, size_in_bytes
 from synk_comm.ops import ReduceOp, as_op
 
 if TYPE_CHECKING:
     from synk_comm.group import Group
 
-__all__ = ["ASYNC_MIN_BYTES", "CudaBuffer", "NcclCollectives", "empty", "empty_like", "to_host"]
+__all__ = ["CudaBuffer", "NcclCollectives", "empty", "empty_like", "to_host"]
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +101,6 @@ def to_host(array: Any) -> np.ndarray:
     return np.asarray(array)
 
 
-ASYNC_MIN_BYTES = 64 << 20
-"""JAX ``all_reduce`` results of at least this size come back without a host wait, in memory of
-synk_comm's (:mod:`synk_comm.jax_stream`); smaller ones are written into a new JAX array and
-waited for.  The queued path costs ~0.5 ms of host time per call (DLPack import, memory reuse
-behind a JAX program), which only pays once NCCL itself takes longer: on 2x H200, 16 MiB took
-0.69 ms queued against 0.25 ms waited for, 256 MiB 0.94 ms against 1.11 ms."""
-
-
 class NcclCollectives(Collectives):
     """The NCCL backend of a :class:`~synk_comm.group.Group` (see :mod:`synk_comm.collectives`)."""
 
@@ -135,29 +122,12 @@ class NcclCollectives(Collectives):
         self.comm = nc.Communicator.init(self.size, self.rank, uid)
         self._ops = {ReduceOp.SUM: nc.SUM, ReduceOp.PROD: nc.PROD, ReduceOp.MAX: nc.MAX, ReduceOp.MIN: nc.MIN,
                      ReduceOp.AVG: nc.AVG}
-        self._jax_stream: JaxStream | None = None
-        self._jax_looked = False  # whether JAX was asked for its stream (on the first JAX array)
         log.info("synk_comm: NCCL communicator ready in rank %d of %d", self.rank, self.size)
 
     def close(self) -> None:
         """Forget the communicator; the process's exit releases it (ncclCommDestroy can wait on
-        peers that are already gone), after giving JAX results' spare memory back."""
+        peers that are already gone)."""
         self.comm = None
-        if self._jax_stream is not None:
-            try:
-                self._jax_stream.close()
-            except Exception as exc:  # a broken device: nothing more to give back
-                log.warning("synk_comm: closing JAX's NCCL stream failed: %s", exc)
-            self._jax_stream = None
-
-    def _jax_ordered(self, array: Any) -> JaxStream | None:
-        """The stream that orders NCCL on JAX ``array`` without host waits, if JAX offers one."""
-        if _framework(array) != "jax":
-            return None
-        if not self._jax_looked:
-            self._jax_looked = True
-            self._jax_stream = JaxStream.open(array)
-        return self._jax_stream
 
     def _sync(self) -> None:
         self._stream.sync()
@@ -166,8 +136,6 @@ class NcclCollectives(Collectives):
         """Wait until every collective queued so far has finished (JAX, PyTorch and CuPy arrays
         alike), e.g. before timing or before reading a result through a pointer of your own."""
         self._sync()
-        if self._jax_stream is not None:
-            self._jax_stream.sync()
         import sys
 
         if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
@@ -226,34 +194,11 @@ class NcclCollectives(Collectives):
     def all_reduce(self, array: Any, op: ReduceOp | str = "sum", *, out: Any = None) -> Any:
         rop = as_op(op, array.dtype)
         self._agree(array, "all_reduce")  # NCCL given different counts would hang or mix up data
-        jax_stream = self._jax_ordered(array)
-        if jax_stream is not None:
-            return self._jax_all_reduce(jax_stream, array, self._ops[rop], out)
         stream, ordered = self._stream_for(_framework(array))
         if out is None:
             out = empty_like(array)
         self.comm.allreduce(CudaBuffer(array), CudaBuffer(out), self._ops[rop], stream=stream)
         self._done(ordered)
-        return out
-
-    def _jax_all_reduce(self, jax_stream: JaxStream, array: Any, op: Any, out: Any) -> Any:
-        """All-reduce a JAX array on JAX's stream for outside work: NCCL is queued at once and
-        starts when JAX has written the input.  A new result of :data:`ASYNC_MIN_BYTES` or more
-        returns at once, in memory that JAX reads after NCCL; a result written into a JAX array
-        (``out``, or a new one for smaller results) is waited for."""
-        source, source_capsule = jax_stream.export(array)
-        if out is None and size_in_bytes(tuple(array.shape), array.dtype) < ASYNC_MIN_BYTES:
-            out = empty_like(array)
-        if out is None:
-            shape = tuple(array.shape)
-            dest, address = jax_stream.result(shape, array.dtype)
-            self.comm.allreduce(source, dest, op, stream=jax_stream.handle)
-            jax_stream.hold(source_capsule)  # JAX may not reuse the input's memory before NCCL is done
-            return jax_stream.to_jax(address, shape, array.dtype)
-        target, target_capsule = (source, None) if out is array else jax_stream.export(out)
-        self.comm.allreduce(source, target, op, stream=jax_stream.handle)
-        jax_stream.sync()  # JAX's readers of its own memory do not wait for our stream
-        del source_capsule, target_capsule
         return out
 
     def _agree(self, array: Any, what: str) -> None:

@@ -205,20 +205,19 @@ class TrainFunction:
 
 def in_graph_all_reduce_pays(own_mode: bool = False) -> bool:
     """Whether a training step runs as :attr:`TrainFunction.function` (the in-graph all-reduce)
-    rather than :attr:`TrainFunction.chain`: with one rank, under the JAX engine, in CPU mode with
-    PyTensor's default backend or a mode of the function's own (``own_mode``), and in GPU mode
-    emulated on JAX's CPU backend; not on real GPUs of the per-rank engine, nor in CPU mode's JAX
-    backend.
+    rather than :attr:`TrainFunction.chain`: with one rank, under the JAX engine (GPU mode's),
+    in CPU mode with PyTensor's default backend or a mode of the function's own (``own_mode``),
+    and in GPU mode under the per-rank engine (``engine="ranks"``); not in CPU mode's JAX backend.
 
     With PyTensor's default backend the in-graph all-reduce takes the same shared-memory path as
     the chain's, and one function saves a call and a barrier (``benchmarks/RESULTS.md``).  CPU
     mode's JAX backend compiles a graph with in-graph collectives in the default mode (see
     :meth:`synkhronos.device.CpuDevice.compile`), which would cost the step JAX's speed: the chain
-    keeps both of its functions in JAX.  On GPUs,
-    PyTensor's per-rank JAX programs run it as a host callback -- the gradient through host memory
-    -- while the chain all-reduces GPU to GPU through NCCL, queued behind the gradient: the chain
-    unless the JAX engine runs (``synk.fork(engine="jax")``): a function is then one program over the
-    ranks' devices (``jax_funcify(..., synk_axis=...)``), where the in-graph all-reduce is XLA's own.
+    keeps both of its functions in JAX.  Under the JAX engine a function is one program over the
+    ranks' devices (``jax_funcify(..., synk_axis=...)``), where the in-graph all-reduce is XLA's
+    own.  GPU mode's per-rank engine runs it as a host callback (the gradient through host
+    memory), which is what the chain's all-reduce does too there (through host shared memory):
+    one function saves a command.
     """
     from synkhronos.runtime import current
 
@@ -226,7 +225,7 @@ def in_graph_all_reduce_pays(own_mode: bool = False) -> bool:
     if rt is None or rt.size == 1 or rt.engine is not None:
         return True
     if rt.device.use_gpu:
-        return not rt.device.nccl_capable
+        return True
     return own_mode or not rt.device.computes_in_jax
 
 

@@ -15,8 +15,6 @@ The plan travels through the group's shared int64 scratch slots -- no pickling o
                       ``(offset, length, 0)`` into the shared index buffer
 ``data ids``          the Data arguments, inputs then broadcast inputs
 ``subset``            output indices, or none for all
-``device outputs``    a bit per output: set when it combines through collectives rather than
-                      the replies (:mod:`synkhronos.outputs`; the master's choice)
 ====================  ==========================================================================
 """
 
@@ -29,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from synkhronos import call_context
-from synkhronos import outputs as outputs_path
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime
 
@@ -43,7 +40,7 @@ class SelectionError(IndexError, ValueError):
 
 NONE = np.iinfo(np.int64).min
 """Stands for ``None`` in a slice bound."""
-HEADER = 9
+HEADER = 8
 
 
 @dataclass
@@ -58,7 +55,6 @@ class CallPlan:
     bs_kind: int = 0
     bs: np.ndarray | None = None  # (size, 3)
     index_did: int = -1  # the shared index buffer holding batch / batch_s indices
-    device_outputs: int = 0  # bit i: output i combines through collectives (synkhronos.outputs)
 
     @staticmethod
     def length(n_data: int, n_subset: int, size: int) -> int:
@@ -76,7 +72,7 @@ def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
     n_data = len(plan.data_ids)
     n_sub = -1 if plan.subset is None else len(plan.subset)
     scratch[:HEADER] = (plan.fid, plan.num_slices, plan.batch_kind, plan.batch_start, plan.bs_kind, n_data, n_sub,
-                        plan.index_did, plan.device_outputs)
+                        plan.index_did)
     i = HEADER
     scratch[i:i + n_data] = plan.data_ids
     i += n_data
@@ -92,7 +88,7 @@ def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
 
 def decode(scratch: np.ndarray, size: int) -> CallPlan:
     """Read the plan that :func:`encode` wrote."""
-    fid, num_slices, batch_kind, batch_start, bs_kind, n_data, n_sub, index_did, device_outputs = (
+    fid, num_slices, batch_kind, batch_start, bs_kind, n_data, n_sub, index_did = (
         int(v) for v in scratch[:HEADER])
     i = HEADER
     data_ids = scratch[i:i + n_data].tolist()
@@ -105,7 +101,7 @@ def decode(scratch: np.ndarray, size: int) -> CallPlan:
     i += 2 * size
     bs = scratch[i:i + 3 * size].reshape(size, 3).copy() if bs_kind else None
     return CallPlan(fid, num_slices, batch_kind, batch_start, data_ids, subset, positions, bs_kind, bs,
-                    index_did, device_outputs)
+                    index_did)
 
 
 def _sliceable_rows(rt: Runtime, rep: Replica, plan: CallPlan) -> tuple[list[Any] | None, int | None]:
@@ -233,27 +229,12 @@ def share(rt: Runtime, plan: CallPlan) -> list[np.ndarray]:
 
 
 def reply(rt: Runtime, plan: CallPlan, weight: float, outputs: Sequence[Any]) -> list[np.ndarray]:
-    """``[weight, *outputs]`` in host memory, which a worker replies to the master.
-
-    Outputs that the plan sends through collectives (:mod:`synkhronos.outputs`) are combined
-    first: in the master their entry is the combined result, in a worker an empty placeholder.
-    A rank without rows has no outputs of its own (``[weight]`` alone, unless combined ones)."""
-    combined: dict[int, np.ndarray] = {}
-    if plan.device_outputs:
-        rep = rt.replicas[plan.fid]
-        variables = rep.output_variables(plan.subset)
-        ops = rep.output_ops(plan.subset)
-        combined = outputs_path.reduce_on_device(rt, weight, outputs, ops, variables, plan.device_outputs)
-        if combined or outputs:
-            outputs = [combined.get(i, _EMPTY) if plan.device_outputs >> i & 1 else
-                       (outputs[i] if outputs else _EMPTY) for i in range(len(ops))]
+    """``[weight, *outputs]`` in host memory, which a worker replies to the master (a rank
+    without rows has no outputs of its own: ``[weight]`` alone)."""
     result = [np.array(weight), *(np.asarray(o) for o in outputs)]
     if not rt.is_master:
         rt.group.reply(result)
     return result
-
-
-_EMPTY = np.empty(0)
 
 
 def normalise_positions(total: int, size: int) -> np.ndarray:

@@ -15,14 +15,13 @@ How it travels: the first call's plan goes into the shared scratch slots as for 
 (:mod:`synkhronos.calls`), followed by the chain's tail ``[then's id, op, zeros_if_idle, n,
 shared ids...]``;
 no pickling.  Every rank runs its share of ``first``, then all ranks meet at a barrier (if any
-rank failed, every other rank stops there, so that none waits forever inside NCCL), all-reduce
-(NCCL in GPU mode; nothing with one rank), and run ``then``.
+rank failed, every other rank stops there, so that none waits forever inside the collective),
+all-reduce (nothing with one rank), and run ``then``.
 
-On GPUs the all-reduce is queued behind the gradient, and ``then`` behind the all-reduce, each
-ordered on the GPU (:mod:`synk_comm.jax_stream`): nothing waits on the host for gradients of
-64 MiB or more (smaller all-reduces are waited for, :data:`synk_comm.nccl.ASYNC_MIN_BYTES`); the
-first call's outputs are copied to the host last, and the next command's work queues behind
-``then``.
+Under the per-rank engine the all-reduce goes through host shared memory (in GPU mode too: the
+device path through NCCL went with the per-rank GPU engine's default).  Under the JAX engine the
+three run one by one, the all-reduce a program over the ranks
+(:mod:`synkhronos.engine.collectives`).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from synkhronos import calls
 from synkhronos.collectives import _all_reduce, _prepare
 from synkhronos.engine import collectives as engine_collectives
 from synkhronos.function import Function, _selection_errors
-from synkhronos.runtime import Runtime, describe
+from synkhronos.runtime import Runtime, describe, rank_runtime
 
 __all__ = ["Chain", "chain"]
 
@@ -87,7 +86,7 @@ class Chain:
 
     def _call_on_engine(self, rt: Runtime, sids: list[int], args: Any, kwargs: Any, output_subset: Any,
                         batch: Any, batch_s: Any, num_slices: Any) -> Any:
-        """The JAX engine: the three operations one by one (the all-reduce carried out by the master,
+        """The JAX engine: the three operations one by one (the all-reduce a program over the ranks,
         :mod:`synkhronos.engine.collectives`); the same results."""
         out = self.first(*args, output_subset=output_subset, batch=batch, batch_s=batch_s, num_slices=num_slices,
                          **kwargs)
@@ -173,7 +172,7 @@ def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
             rt.device.set(var, np.zeros(rt.device.raw(var).shape, dtype=var.type.dtype))
     rt.group.barrier()  # every rank's share succeeded: none is left alone inside the all-reduce
     if rt.size > 1:
-        _all_reduce(rt, variables, OPS[op_code], nccl=True)
+        _all_reduce(rt, variables, OPS[op_code], nccl=False)
     if then_fid >= 0:
         then = rt.replicas[then_fid]
         calls.compute(rt, then, 1.0, lambda: then.run([], [], None, None, 1, 1))
@@ -182,7 +181,5 @@ def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
 
 @handler(CHAIN)
 def _chain(group: Group, _payload: None) -> None:
-    from synkhronos.worker import runtime
-
-    rt = runtime(group)
+    rt = rank_runtime(group)
     _run(rt, calls.decode(group.scratch, rt.size), calls.CallPlan.length_of(group.scratch, rt.size))

@@ -18,7 +18,9 @@
 ``vars`` is one shared variable or a list; one variable gives one result, a list a tuple.  Values
 may be :class:`~synk_shm.Data` (every rank then reads its part straight from shared memory: the
 master copies nothing) or numpy arrays.  Every check happens in the master before any worker
-acts.  ``nccl=`` is accepted everywhere; in CPU mode it changes nothing.
+acts.  ``nccl=`` is accepted everywhere, as in the seed, and changes nothing: under the per-rank
+engine values move through host shared memory, under the JAX engine (GPU mode's) device to device
+inside programs of its runtime (:mod:`synkhronos.engine.collectives`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from synk_shm import Data
 from synkhronos.calls import as_index_array, normalise_positions
 from synkhronos.data_registry import data_id, flush_dropped
 from synkhronos.engine import collectives as engine_collectives
-from synkhronos.runtime import Runtime, describe, get_runtime
+from synkhronos.runtime import Runtime, describe, get_runtime, rank_runtime
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce", "set_value",
            "get_value", "get_lengths", "get_shapes"]
@@ -299,31 +301,10 @@ def _decode(rt: Runtime, encoded: tuple[str, Any]) -> np.ndarray:
 
 @handler(COLLECTIVE)
 def _collective(group: Group, payload: tuple[str, dict[str, Any]]) -> Any:
-    from synkhronos.worker import runtime
-
-    rt = runtime(group)
+    rt = rank_runtime(group)
     name, args = payload
     variables = [rt.shared[sid] for sid in args["sids"]]
     return _LOCAL[name](rt, variables, **{k: v for k, v in args.items() if k != "sids"})
-
-
-def _on_device(rt: Runtime, nccl: bool) -> bool:
-    """True when the values move GPU to GPU through NCCL (GPU mode with values on a GPU,
-    ``nccl=True``); False under ``SYNK_EMULATE_GPUS``, whose values sit on JAX's CPU backend."""
-    return nccl and rt.device.nccl_capable
-
-
-def _value(rt: Runtime, var: Any, nccl: bool) -> Any:
-    """The value to communicate: the device array (NCCL) or a numpy array (shared memory)."""
-    return rt.device.raw(var) if _on_device(rt, nccl) else rt.device.get(var)
-
-
-def _host(value: Any) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        return value
-    from synk_comm.nccl import to_host
-
-    return to_host(value)
 
 
 def _broadcast(rt: Runtime, variables: list[Any], values: list[Any] | None, nccl: bool) -> None:
@@ -331,9 +312,6 @@ def _broadcast(rt: Runtime, variables: list[Any], values: list[Any] | None, nccl
     for i, var in enumerate(variables):
         if values is not None and values[i][0] == "data":
             device.set(var, _decode(rt, values[i]))
-            continue
-        if values is None and _on_device(rt, nccl):
-            device.set(var, host.broadcast(_value(rt, var, nccl), root=rt.group.master_rank))
             continue
         source = (device.get(var) if values is None else values[i][1]) if rt.is_master else None
         device.set(var, host.broadcast(source))
@@ -357,23 +335,12 @@ def _scatter(rt: Runtime, variables: list[Any], values: list[Any], rows: list[An
 
 
 def _gather(rt: Runtime, variables: list[Any], nccl: bool) -> Any:
-    if _on_device(rt, nccl):
-        gathered = [rt.group.gather(_value(rt, var, nccl)) for var in variables]
-        if not rt.is_master:
-            return None
-        return [[_host(parts[r]) for parts in gathered] for r in range(rt.size)]  # type: ignore[index]
     return rt.group.host.gather_arrays([rt.device.get(var) for var in variables], root=rt.group.master_rank)
 
 
 def _all_gather(rt: Runtime, variables: list[Any], nccl: bool) -> None:
     for var in variables:
-        parts = rt.group.all_gather(_value(rt, var, nccl))
-        if _on_device(rt, nccl):
-            import jax.numpy as jnp
-
-            rt.device.set(var, jnp.concatenate(parts, axis=0))
-        else:
-            rt.device.set(var, np.concatenate(parts, axis=0))
+        rt.device.set(var, np.concatenate(rt.group.all_gather(rt.device.get(var)), axis=0))
 
 
 def _agree_on_shapes(rt: Runtime, variables: list[Any], what: str) -> None:
@@ -394,22 +361,21 @@ def _reduce(rt: Runtime, variables: list[Any], op: str, in_place: bool, nccl: bo
     _agree_on_shapes(rt, variables, "reduce")
     results = []
     for var in variables:
-        result = rt.group.reduce(_value(rt, var, nccl), op)
+        result = rt.group.reduce(rt.device.get(var), op)
         if rt.is_master:
             assert result is not None
             if in_place:
                 rt.device.set(var, result)
-            results.append(_host(result))
+            results.append(result)
     return results if rt.is_master else None
 
 
 def _all_reduce(rt: Runtime, variables: list[Any], op: str, nccl: bool) -> None:
     _agree_on_shapes(rt, variables, "all_reduce")
     for var in variables:
-        value = _value(rt, var, nccl)
+        value = rt.device.get(var)
         # In place where the value is the variable's own numpy buffer, referenced by nothing
-        # else.  A device value (JAX) reduces into a new array, which NCCL returns without
-        # waiting (JAX's readers wait on the GPU); the host copy of a device value is read-only.
+        # else (the host copy of a device value is read-only).
         in_place = isinstance(value, np.ndarray) and value.flags.writeable
         result = rt.group.all_reduce(value, op, out=value if in_place else None)
         if result is not value:

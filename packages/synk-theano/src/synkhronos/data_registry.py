@@ -16,7 +16,7 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from synk_comm import Group, handler
 from synk_shm import Data, DataHandle
-from synkhronos.runtime import Runtime, current, describe, get_runtime
+from synkhronos.runtime import Runtime, current, describe, get_runtime, rank_runtime
 
 __all__ = ["data", "check_input", "data_id"]
 
@@ -134,9 +134,7 @@ def flush_dropped(rt: Runtime) -> None:
 def _update(group: Group, items: list[tuple[int, DataHandle | None]]) -> None:
     if group.is_master:
         return
-    from synkhronos.worker import runtime
-
-    rt = runtime(group)
+    rt = rank_runtime(group)
     unpin = getattr(rt.engine, "unpin", None)  # the JAX engine registers Data memory with its device
     for did, handle in items:
         if unpin is not None:

@@ -30,8 +30,6 @@ class Device:
     use_gpu = False
     xp: Any = np
     """The array module of values computed in this rank (numpy; jax.numpy on GPUs)."""
-    nccl_capable = False
-    """Whether values may move between ranks through NCCL (GPU mode with values on a GPU)."""
     computes_in_jax = False
     """Whether compiled functions may return JAX arrays, in JAX's dtypes (GPU mode; CPU mode's JAX
     backend): updates applied by PyTensor are cast back to their variables' declared dtypes."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from synk_comm import Group, handler
 from synkhronos.replica import Replica
-from synkhronos.runtime import Runtime, get_runtime
+from synkhronos.runtime import Runtime, get_runtime, rank_runtime
 
 __all__ = ["distribute", "ensure_distributed"]
 
@@ -113,9 +113,7 @@ def ensure_distributed(rt: Runtime) -> None:
 def _distribute(group: Group, payload: bytes) -> list[float] | None:
     seconds = 0.0
     if not group.is_master:
-        from synkhronos.worker import runtime
-
-        rt = runtime(group)
+        rt = rank_runtime(group)
         content = _Unpickler(io.BytesIO(payload), rt).load()
         for sid, var in content["new_shared"]:
             rt.add_shared(sid, var)

@@ -73,7 +73,8 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         None: GPU mode on a machine with GPUs, else CPU mode.  False: CPU mode with
         ``n_parallel`` worker processes.  True: GPU mode (an error without GPUs).
     master_rank : int
-        The master's rank (in GPU mode, the index of its GPU), in ``[0, n_parallel)``.
+        The master's rank, in ``[0, n_parallel)``, under the per-rank engine (in GPU mode with
+        ``engine="ranks"``, the index of its GPU).  The JAX engine's master has no rank: leave 0.
     profile_workers : bool
         Write a cProfile file per worker (``synkhronos_worker_rank<r>.prof`` in the working
         directory) when it exits.
@@ -83,12 +84,15 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     max_dim : int
         The most dimensions of any input, output or sliceable shared of a function: more is a
         ValueError in :func:`synkhronos.function` that names this parameter.
-    engine : {"ranks", "jax"}, optional
-        ``"ranks"`` (the default, or ``$SYNK_ENGINE``): every rank, the master included, runs
-        its own programs; the master glues them over shared memory.  ``"jax"``: every call is one
-        program over all ranks on JAX's multi-process runtime (:mod:`synkhronos.engine`): the
-        ``n_parallel`` ranks are worker processes (one GPU each in GPU mode; JAX's CPU device
-        otherwise) and the master computes nothing.  ``master_rank`` must then be 0.
+    engine : {"jax", "ranks"}, optional
+        Default ``$SYNK_ENGINE``, else ``"jax"`` in GPU mode and ``"ranks"`` in CPU mode.
+        ``"jax"``: every call is one program over all ranks on JAX's multi-process runtime
+        (:mod:`synkhronos.engine`): the ``n_parallel`` ranks are worker processes (one GPU each in
+        GPU mode; JAX's CPU device otherwise) and the master computes nothing; ``master_rank``
+        must then be 0.  ``"ranks"``: every rank, the master included, runs its own programs; the
+        master glues them over shared memory (CPU mode's engine: its shared-memory collectives
+        beat JAX's on the CPU; in GPU mode the switch back to the per-rank engine, see
+        :data:`synkhronos.engine.ENGINES`).
 
     Returns
     -------
@@ -132,7 +136,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         raise ValueError(f"max_dim must be >= 1, got {max_dim}")
     from synkhronos import engine as engines
 
-    engine = engines.choose(engine)
+    engine = engines.choose(engine, use_gpu)
     if engine == "jax" and master_rank != 0:
         raise ValueError(f"master_rank={master_rank}: with engine='jax' the master computes nothing and has no "
                          "rank of its own; leave master_rank at 0")
@@ -236,7 +240,7 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
         group.close()
         raise
     group.abort_grace_s = None  # set per call (synkhronos.engine.master)
-    return Runtime(group, HostDevice(), engine=Orchestrator())
+    return Runtime(group, HostDevice(use_gpu), engine=Orchestrator())
 
 
 def _core_sets(n_parallel: int) -> list[list[int]] | None:

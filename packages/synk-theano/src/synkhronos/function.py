@@ -23,7 +23,6 @@ import numpy as np
 from synk_comm import WorkerError
 from synk_shm import Data
 from synkhronos import calls, data_registry
-from synkhronos import outputs as outputs_path
 from synkhronos.engine import master as engine_master
 from synkhronos.engine.phases import PHASES
 from synkhronos.reduce_ops import combine
@@ -59,7 +58,6 @@ class Function:
         self._spec = spec
         self._replica = replica
         self._by_name: dict[str, int] = {}
-        self._output_nbytes: dict[tuple[int, ...] | None, list[int]] = {}  # per subset, the last call's
         self._engine_plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _engine_call
         for i, var in enumerate(spec.all_inputs):
             if var.name:
@@ -216,23 +214,15 @@ class Function:
                                "synk.function() after synk.fork()")
 
     def _gather(self, rt: Runtime, own: list[np.ndarray], plan: calls.CallPlan) -> Any:
-        """The combined outputs, from the master's share and the workers' replies (outputs that
-        went through collectives are combined already: the master's own entry)."""
+        """The combined outputs, from the master's share and the workers' replies."""
         shares = rt.group.replies()
         shares[rt.rank] = own
         ordered = [shares[r] for r in range(rt.size)]
         weights = [float(s[0]) for s in ordered]
         ops = self._replica.output_ops(plan.subset)
 
-        def result(i: int, op: str) -> Any:
-            if plan.device_outputs >> i & 1 and len(own) > 1 + i:
-                return own[1 + i]
-            return combine(op, [s[1 + i] if len(s) > 1 else np.empty(0) for s in ordered], weights,
-                           what=f"output {i}")
-
-        results = [result(i, op) for i, op in enumerate(ops)]
-        self._output_nbytes[plan.subset] = [r.nbytes // (rt.size if op == "gather" else 1)
-                                            for r, op in zip(results, ops)]
+        results = [combine(op, [s[1 + i] if len(s) > 1 else np.empty(0) for s in ordered], weights,
+                           what=f"output {i}") for i, op in enumerate(ops)]
         return self._shape(results, plan)
 
     def _shape(self, results: list[Any], plan: calls.CallPlan) -> Any:
@@ -307,13 +297,9 @@ class Function:
                              "nothing to compute")
         bs_kind, bs = self._batch_s(rt, batch_s, index_parts)
         index_did = data_registry.write_indices(rt, np.concatenate(index_parts)) if index_parts else -1
-        rep = self._replica
-        device_outputs = outputs_path.choose(rt, rep.output_ops(subset),
-                                             [v.type.dtype for v in rep.output_variables(subset)],
-                                             self._output_nbytes.get(subset))
         return calls.CallPlan(spec.fid, int(num_slices), kind, start,
                               [data_registry.data_id(rt, d) for d in datas], subset,
-                              calls.normalise_positions(total, rt.size), bs_kind, bs, index_did, device_outputs)
+                              calls.normalise_positions(total, rt.size), bs_kind, bs, index_did)
 
     def _batch(self, scattered: list[Data], batch: Any, index_parts: list[np.ndarray]) -> tuple[int, int, int]:
         """(kind, start, total) of the scattered rows; index batches go into ``index_parts``."""

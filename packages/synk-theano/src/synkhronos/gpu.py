@@ -3,9 +3,10 @@
 Every rank sees one GPU (``CUDA_VISIBLE_DEVICES`` set at launch; rank ``r`` gets the ``r``-th
 entry of the devices the master could see) and no XLA preallocation.  A shared variable lives on
 its rank's GPU as a ``jax.Array`` in its container (``set_value`` would copy it to the host);
-the compiled JAX functions read and update it there.  Collectives on shared variables go through
-NCCL; function outputs come back to the master as numpy, through shared memory or, when large,
-through NCCL (:mod:`synkhronos.outputs`).
+the compiled JAX functions read and update it there.  GPU mode runs on the JAX engine
+(:mod:`synkhronos.engine`, whose workers keep their values in :class:`GpuDevice`'s way); this
+module is also the per-rank engine's GPU device (``fork(engine="ranks")``), whose ranks move
+values between them, and outputs to the master, through host shared memory.
 
 In the master, ``get_value()`` of a distributed shared variable returns numpy and
 ``set_value(v)`` puts ``v`` on the master's GPU (the variables' own methods are replaced for
@@ -14,9 +15,9 @@ functions built in the master read those GPU-resident values too (a function com
 with a CPU mode cannot: rebuild it after ``fork``).
 
 Developer aid: ``SYNK_EMULATE_GPUS=<n>`` runs GPU mode without GPUs (:mod:`synkhronos.emulation`):
-the machine counts as having ``n`` GPUs (``CUDA_VISIBLE_DEVICES`` narrows them as usual), each
-rank's JAX runs on its CPU backend, and the collectives take the shared-memory path
-(:attr:`GpuDevice.on_gpu` is False).  With it the synkhronos test suite runs in GPU mode on any
+the machine counts as having ``n`` GPUs (``CUDA_VISIBLE_DEVICES`` narrows them as usual) and each
+rank's JAX runs on its CPU backend: GPU mode's engine (:mod:`synkhronos.engine`) runs on JAX's CPU
+devices, its collectives over gloo.  With it the synkhronos test suite runs in GPU mode on any
 machine::
 
     SYNK_EMULATE_GPUS=2 SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 python -m pytest packages/synk-theano/tests
@@ -106,17 +107,6 @@ class GpuDevice(Device):
         self.jax = jax
         self.xp = jax.numpy
         self.device = jax.devices()[0]
-
-    @property
-    def on_gpu(self) -> bool:
-        """Whether the values are on a GPU (False under ``SYNK_EMULATE_GPUS``: JAX's CPU backend),
-        which decides whether collectives may go through NCCL."""
-        return self.device.platform == "gpu"
-
-    @property
-    def nccl_capable(self) -> bool:  # type: ignore[override]
-        """Values move between ranks through NCCL when they are on GPUs (see :attr:`on_gpu`)."""
-        return self.on_gpu
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         mode = kwargs.get("mode")

@@ -16,8 +16,8 @@ gather     concatenation along axis 0 in rank order (0-d values stack to shape `
 A rank with weight 0 (no rows) computed nothing and is left out.  Within a rank, ``num_slices``
 slices combine by the same rules, each weighted by its rows, before the ranks combine.
 
-When the ranks combine through a collective instead of in the master (large outputs in GPU mode,
-:mod:`synkhronos.outputs`; the in-graph collectives of :mod:`synkhronos.ops`), each rank puts in
+When the ranks combine through a collective instead of in the master (the in-graph collectives
+of :mod:`synkhronos.ops`; the JAX engine's program, :mod:`synkhronos.engine.program`), each rank puts in
 its :func:`contribution` and the collective applies the op (``avg`` as a sum):
 ``avg``: ``y_r * (w_r / sum_r w_r)``; the others ``y_r`` itself; a rank of weight 0 puts in the
 op's :func:`identity` (0, 1, the lowest or the highest value), selected, never multiplied, so

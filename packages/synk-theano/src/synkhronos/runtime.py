@@ -9,6 +9,7 @@ on it for every call and collective, so that a rank's work is written once.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
     from synkhronos.replica import Replica
 
-__all__ = ["Runtime", "get_runtime", "current"]
+__all__ = ["Runtime", "get_runtime", "current", "rank_runtime"]
 
 log = logging.getLogger("synkhronos")
 
@@ -93,3 +94,24 @@ def describe(obj: Any) -> str:
     """A short name for messages: a variable's name, or its repr."""
     name = getattr(obj, "name", None)
     return repr(name) if name else repr(obj)
+
+
+def rank_runtime(group: Group) -> Runtime:
+    """This rank's runtime: the master's is made by fork, a worker's here on its first command
+    (its device from the mode the master launched it in, ``SYNK_USE_GPU``)."""
+    rt = current()
+    if rt is None or rt.group is not group:
+        rt = Runtime(group, _make_device(os.environ.get("SYNK_USE_GPU") == "1"))
+        set_current(rt)
+    return rt
+
+
+def _make_device(use_gpu: bool) -> Device:
+    if use_gpu:
+        from synkhronos.gpu import GpuDevice
+
+        return GpuDevice()
+    from synkhronos.cpu import BACKEND_ENV
+    from synkhronos.device import CpuDevice
+
+    return CpuDevice(os.environ.get(BACKEND_ENV, "pytensor"))

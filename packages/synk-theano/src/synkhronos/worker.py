@@ -1,8 +1,9 @@
-"""The worker side: the runtime a worker builds for itself, and its command handlers.
-
-``synk_comm`` starts each worker as a fresh interpreter and imports this module, which
-registers the handlers of :mod:`synkhronos` (calls, distribution, Data updates, collectives).
-The worker's :class:`~synkhronos.runtime.Runtime` is made on the first command.
+"""The worker side's entry: ``synk_comm`` starts each worker as a fresh interpreter and imports
+this module, which registers every handler of :mod:`synkhronos` (calls, chains, distribution, Data
+updates, collectives; the engine's in :mod:`synkhronos.engine.worker`) and owns the per-rank call
+(``CALL``).  The handlers' modules import nothing from here: each finds this rank's
+:class:`~synkhronos.runtime.Runtime` through :func:`synkhronos.runtime.rank_runtime` (made on the
+first command), so the import graph has no cycle.
 """
 
 from __future__ import annotations
@@ -13,38 +14,18 @@ import os
 
 from synk_comm import Group, handler
 from synkhronos import calls, chain, collectives, data_registry, distribution  # noqa: F401 - register handlers
-from synkhronos.device import CpuDevice, Device
 from synkhronos.engine import worker as _engine_worker  # noqa: F401 - register the engine's handlers
 from synkhronos.function import CALL
-from synkhronos.runtime import Runtime, current, set_current
+from synkhronos.runtime import rank_runtime
 
-__all__ = ["runtime"]
+__all__: list[str] = []
 
 PROFILE_ENV = "SYNK_PROFILE_DIR"
 
 
-def make_device(use_gpu: bool) -> Device:
-    if use_gpu:
-        from synkhronos.gpu import GpuDevice
-
-        return GpuDevice()
-    from synkhronos.cpu import BACKEND_ENV
-
-    return CpuDevice(os.environ.get(BACKEND_ENV, "pytensor"))
-
-
-def runtime(group: Group) -> Runtime:
-    """This rank's runtime (the master's is made by fork; a worker's on its first command)."""
-    rt = current()
-    if rt is None or rt.group is not group:
-        rt = Runtime(group, make_device(os.environ.get("SYNK_USE_GPU") == "1"))
-        set_current(rt)
-    return rt
-
-
 @handler(CALL)
 def _call(group: Group, _payload: None) -> None:
-    rt = runtime(group)
+    rt = rank_runtime(group)
     calls.share(rt, calls.decode(group.scratch, rt.size))
 
 

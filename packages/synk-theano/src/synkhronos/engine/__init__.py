@@ -1,6 +1,6 @@
 """The engine: a Synkhronos function as ONE compiled program over every rank, on JAX's
-multi-process runtime.  Switched on by ``synk.fork(..., engine="jax")`` (default from the
-``SYNK_ENGINE`` environment variable; without either, the per-rank engine runs).
+multi-process runtime: GPU mode's engine (``synk.fork()`` on GPUs), and CPU mode's with
+``synk.fork(..., engine="jax")``; ``SYNK_ENGINE`` sets the default (:func:`choose`).
 
 Who does what
     * The **master** (the user's process) never joins JAX's runtime.  It checks a call's
@@ -15,8 +15,10 @@ Who does what
       rank's device (:mod:`synkhronos.engine.program`): each rank's rows, the function (PyTensor's
       own JAX translation of the compiled graph), the output reductions, and the shared variables'
       updates (donated buffers); ``batch_s`` windows ``start:stop`` of the sliceable shared
-      variables inside it.  Calls the program cannot express exactly (uneven shares,
-      ``num_slices`` > 1, other ``batch_s`` selections, random generators) run the per-rank
+      variables inside it.  Uneven shares run in the program, one branch per share size
+      (:func:`synkhronos.engine.program._uneven_body`).  Calls the program cannot express exactly
+      (``num_slices`` > 1, other ``batch_s`` selections, random generators, uneven shares with
+      in-graph collectives or sliceable variables) run the per-rank
       programs of :mod:`synkhronos.replica` in the workers and the master combines the replies
       (:func:`synkhronos.engine.program.per_rank_reason` and ``fit_reason`` say which and why).
 
@@ -36,32 +38,39 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CALL", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "choose"]
+__all__ = ["CALL", "COLLECT", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "choose"]
 
 ENGINES = ("ranks", "jax")
-"""``"ranks"``: one program per rank, glued by the master over shared memory (the first engine);
-``"jax"``: one program over every rank on JAX's multi-process runtime (this package)."""
+"""``"jax"``: one program over every rank on JAX's multi-process runtime (this package), GPU mode's
+default; ``"ranks"``: one program per rank, glued by the master over shared memory, CPU mode's
+default (its shared-memory collectives beat JAX's gloo on the CPU: measured in issue 17, 7.6 us
+against 181 us for an 8-byte all-reduce).  In GPU mode ``"ranks"`` is the one switch back to the
+per-rank engine, whose single rank computes in the master (faster at one GPU: ``bench_engine.py``
+in ``benchmarks/RESULTS.md``); its values move between ranks through host shared memory."""
 ENV = "SYNK_ENGINE"
 
 # The commands between the master (engine.master) and the workers (engine.worker, their handlers).
 JOIN = "synkhronos.engine.join"
 CALL = "synkhronos.engine.call"
 VALUE = "synkhronos.engine.value"
+COLLECT = "synkhronos.engine.collect"
 PROGRAM = 1
 """A call's reply form: it ran as one program; compute rank 0 carries the combined outputs."""
 PER_RANK = 0
 """A call's reply form: it ran per rank; every rank carries its own share."""
 
 
-def choose(engine: str | None) -> str:
-    """The engine of a :func:`synkhronos.fork`: ``engine``, else ``$SYNK_ENGINE``, else ``"ranks"``.
+def choose(engine: str | None, use_gpu: bool = False) -> str:
+    """The engine of a :func:`synkhronos.fork`: ``engine``, else ``$SYNK_ENGINE``, else the mode's
+    default: ``"jax"`` in GPU mode, ``"ranks"`` in CPU mode (see :data:`ENGINES`).
 
     Raises
     ------
     ValueError
         For a name not in :data:`ENGINES`.
     """
-    name = engine if engine is not None else (os.environ.get(ENV, "").strip() or "ranks")
+    default = "jax" if use_gpu else "ranks"
+    name = engine if engine is not None else (os.environ.get(ENV, "").strip() or default)
     if name not in ENGINES:
         source = "engine" if engine is not None else ENV
         raise ValueError(f"{source}={name!r} is not an engine: use one of {', '.join(map(repr, ENGINES))}")
@@ -70,6 +79,6 @@ def choose(engine: str | None) -> str:
 
 class NotOneProgramError(ValueError):
     """A call of a function with in-graph collectives (:mod:`synkhronos.ops`) that cannot run as one
-    program over the ranks (uneven shares, ``num_slices`` > 1, ...): raised in the master before any
-    worker acts, so a caller may run the step another way (as ``synk_lasagne``'s train function
-    does, through its chain)."""
+    program over the ranks (uneven shares, which would need a branch per share size, ``num_slices``
+    > 1, ...): raised in the master before any worker acts, so a caller may run the step another
+    way (as ``synk_lasagne``'s train function does, through its chain)."""

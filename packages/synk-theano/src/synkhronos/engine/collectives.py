@@ -1,132 +1,137 @@
-"""Collectives on shared variables under the JAX engine, carried out by the master.
+"""Collectives on shared variables under the JAX engine: jitted programs of the ranks' runtime.
 
-The master holds no value of its own (:mod:`synkhronos.engine.master`), so each collective is
-two steps over the control plane: read the ranks' values (every rank's, or compute rank 0's
-where the collective reads "the master's"), compute in numpy, set the ranks' new values.  The
-semantics are those of :mod:`synkhronos.collectives` with compute rank 0 in the master's place;
-the checks there run first.  Values travel through the master (pickled with the command): right
-for parameters and small state, not fast for large values -- put such collectives inside the
-function's graph (in-graph collectives), where they run in the program over the ranks.
+The semantics are those of :mod:`synkhronos.collectives` with compute rank 0 in the master's
+place; the checks there run first.  The master holds no value of its own
+(:mod:`synkhronos.engine.master`): it sends one ``COLLECT`` command, which every worker carries
+out (:func:`_collect`), and reads the replies.  Values that move between ranks never pass
+through the master:
+
+=============  ==================================================================================
+broadcast      a program over the ranks' mesh: ``psum`` of rank 0's value (zeros in the others,
+               whatever shape they held)
+all_reduce     a program: ``psum`` / ``pmean`` / ``pmax`` / ``pmin``, ``prod`` of an
+               ``all_gather`` (booleans reduce as integers); every rank stores the result
+reduce         the same program; compute rank 0 stores the result (``in_place``) or replies it
+all_gather     a program: each rank's value padded to the longest, ``all_gather``, then each
+               rank's rows cut out (the lengths are static: one program per set of lengths)
+scatter, set   each worker reads its own rows from the Data's shared memory (a numpy value given
+_value,        by the user travels with the command)
+broadcast of
+values
+gather,        each worker replies its value (they are the master's result); ``get_shapes`` and
+get_value,     ``get_lengths`` reply the shapes only
+get_shapes
+=============  ==================================================================================
+
+A program needs the same shape in every rank, so the master first asks for the shapes (one
+small command) where they may differ: ``reduce`` and ``all_reduce`` refuse different shapes
+there, ``all_gather`` needs them for its lengths, ``broadcast`` for the root's shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from synk_comm.ops import as_op
+from synk_comm import Group, handler
 from synkhronos.calls import normalise_positions
-from synkhronos.engine import VALUE
-from synkhronos.runtime import Runtime
+from synkhronos.engine import COLLECT
+from synkhronos.engine.program import AXIS, _shard_map
+from synkhronos.engine.program import _reduce as _over_ranks
+from synkhronos.runtime import Runtime, current
+
+if TYPE_CHECKING:
+    from synkhronos.engine.device import EngineDevice
 
 __all__ = ["run", "zero_ranks"]
 
+Shapes = list[list[tuple[int, ...]]]
+"""``[rank][variable]`` shapes."""
 
-def _values(rt: Runtime, sids: list[int]) -> list[list[np.ndarray]]:
-    """Every compute rank's value of each variable: ``[rank][variable]``."""
-    with rt.group.command(VALUE, ("read", sids, None)):
+
+# --- the master ----------------------------------------------------------------------------------
+
+_REPLIES = ("shapes", "read", "get", "reduce")
+"""The actions whose workers reply (the others only act)."""
+
+
+def _command(rt: Runtime, action: str, sids: list[int], arg: Any = None) -> list[list[Any]]:
+    """One ``COLLECT`` command; every compute rank's reply, in rank order ([] for an action
+    without replies)."""
+    with rt.group.command(COLLECT, (action, sids, arg)):
         pass
+    if action not in _REPLIES:
+        return []
     replies = rt.group.replies()
     return [replies[r + 1] for r in range(rt.size)]
 
 
-def _rank0(rt: Runtime, sids: list[int]) -> list[np.ndarray]:
-    """Compute rank 0's value of each variable (the master's, in the per-rank engine)."""
-    with rt.group.command(VALUE, ("get", sids, 0)):
-        pass
-    return rt.group.replies()[1]
+def _shapes(rt: Runtime, sids: list[int]) -> Shapes:
+    return [[tuple(int(n) for n in s) for s in reply] for reply in _command(rt, "shapes", sids)]
 
 
-def _assign(rt: Runtime, sids: list[int], per_rank: list[list[Any] | None] | None = None,
-            every: list[Any] | None = None) -> None:
-    """Set values: ``every[i]`` in every rank, or ``per_rank[r][i]`` in rank ``r`` (None: unchanged)."""
-    with rt.group.command(VALUE, ("assign", sids, (per_rank, every))):
-        pass
+def _same_shapes(shapes: Shapes, sids: list[int]) -> None:
+    for i in range(len(sids)):
+        found = [s[i] for s in shapes]
+        if len(set(found)) > 1:
+            raise ValueError(f"every rank must hold the same shape to reduce; the ranks hold {found} "
+                             "(nothing was reduced)")
 
 
-def _decode(rt: Runtime, encoded: tuple[str, Any]) -> np.ndarray:
-    kind, value = encoded
-    if kind == "data":
-        arr = rt.data[value].data
-        assert arr is not None
-        return np.array(arr)
-    return np.asarray(value)
+def _broadcast(rt: Runtime, sids: list[int], values: list[Any] | None, **_: Any) -> None:
+    if values is None:
+        _command(rt, "broadcast", sids, _shapes(rt, sids)[0])
+    else:
+        _command(rt, "assign", sids, (values, None, None))
 
 
-def _reduce_values(parts: list[np.ndarray], op: str, dtype: Any) -> np.ndarray:
-    shapes = {p.shape for p in parts}
-    if len(shapes) > 1:
-        raise ValueError(f"every rank must hold the same shape to reduce; the ranks hold {[p.shape for p in parts]} "
-                         "(nothing was reduced)")
-    reduce_op = as_op(op, dtype)
-    stacked = np.stack(parts)
-    if reduce_op.value == "avg":
-        return np.asarray(stacked.sum(axis=0) / len(parts), dtype=dtype)
-    return np.asarray(reduce_op.ufunc.reduce(stacked, axis=0), dtype=dtype)
+def _scatter(rt: Runtime, sids: list[int], values: list[Any], rows: list[Any], **_: Any) -> None:
+    _command(rt, "assign", sids, (values, rows, "scatter"))
 
 
-def _broadcast(rt: Runtime, sids: list[int], dtypes: list[Any], values: list[Any] | None, **_: Any) -> None:
-    source = _rank0(rt, sids) if values is None else [_decode(rt, v) for v in values]
-    _assign(rt, sids, every=source)
+def _gather(rt: Runtime, sids: list[int], **_: Any) -> list[list[np.ndarray]]:
+    return _command(rt, "read", sids)
 
 
-def _scatter(rt: Runtime, sids: list[int], dtypes: list[Any], values: list[Any], rows: list[Any], **_: Any) -> None:
-    per_rank: list[list[Any] | None] = [[] for _ in range(rt.size)]
-    for encoded, sel in zip(values, rows):
-        selected = _decode(rt, encoded)[sel]
-        for r, (a, b) in enumerate(normalise_positions(len(selected), rt.size)):
-            per_rank[r].append(selected[a:b])  # type: ignore[union-attr]
-    _assign(rt, sids, per_rank=per_rank)
+def _all_gather(rt: Runtime, sids: list[int], **_: Any) -> None:
+    shapes = _shapes(rt, sids)
+    for i in range(len(sids)):
+        rest = {s[i][1:] for s in shapes}
+        if len(rest) > 1:
+            raise ValueError(f"all_gather: the ranks' values differ in shape beyond axis 0 {[s[i] for s in shapes]}; "
+                             "they cannot be concatenated (nothing was gathered)")
+    _command(rt, "all_gather", sids, [tuple(s[i][0] for s in shapes) for i in range(len(sids))])
 
 
-def _gather(rt: Runtime, sids: list[int], dtypes: list[Any], **_: Any) -> list[list[np.ndarray]]:
-    return _values(rt, sids)
+def _reduce(rt: Runtime, sids: list[int], op: str, in_place: bool, **_: Any) -> list[np.ndarray]:
+    _same_shapes(_shapes(rt, sids), sids)
+    return _command(rt, "reduce", sids, (op, in_place))[0]
 
 
-def _all_gather(rt: Runtime, sids: list[int], dtypes: list[Any], **_: Any) -> None:
-    per_rank = _values(rt, sids)
-    _assign(rt, sids, every=[np.concatenate([v[i] for v in per_rank], axis=0) for i in range(len(sids))])
+def _all_reduce(rt: Runtime, sids: list[int], op: str, **_: Any) -> None:
+    _same_shapes(_shapes(rt, sids), sids)
+    _command(rt, "all_reduce", sids, op)
 
 
-def _reduce(rt: Runtime, sids: list[int], dtypes: list[Any], op: str, in_place: bool, **_: Any) -> list[np.ndarray]:
-    per_rank = _values(rt, sids)
-    results = [_reduce_values([v[i] for v in per_rank], op, dtype) for i, dtype in enumerate(dtypes)]
-    if in_place:
-        _assign(rt, sids, per_rank=[results] + [None] * (rt.size - 1))
-    return results
+def _set_value(rt: Runtime, sids: list[int], values: list[Any], rows: list[Any], target: int, **_: Any) -> None:
+    _command(rt, "assign", sids, (values, rows, int(target)))
 
 
-def _all_reduce(rt: Runtime, sids: list[int], dtypes: list[Any], op: str, **_: Any) -> None:
-    per_rank = _values(rt, sids)
-    _assign(rt, sids, every=[_reduce_values([v[i] for v in per_rank], op, dtype) for i, dtype in enumerate(dtypes)])
+def _get_value(rt: Runtime, sids: list[int], target: int, **_: Any) -> list[np.ndarray]:
+    return _command(rt, "get", sids, int(target))[target]
 
 
-def _set_value(rt: Runtime, sids: list[int], dtypes: list[Any], values: list[Any], rows: list[Any], target: int,
-               **_: Any) -> None:
-    chosen = [_decode(rt, v)[sel] for v, sel in zip(values, rows)]
-    _assign(rt, sids, per_rank=[chosen if r == target else None for r in range(rt.size)])
-
-
-def _get_value(rt: Runtime, sids: list[int], dtypes: list[Any], target: int, **_: Any) -> list[np.ndarray]:
-    with rt.group.command(VALUE, ("get", sids, target)):
-        pass
-    return rt.group.replies()[target + 1]
-
-
-def _get_shapes(rt: Runtime, sids: list[int], dtypes: list[Any], **_: Any) -> list[list[tuple[int, ...]]]:
-    per_rank = _values(rt, sids)
-    return [[tuple(v[i].shape) for v in per_rank] for i in range(len(sids))]
+def _get_shapes(rt: Runtime, sids: list[int], **_: Any) -> list[list[tuple[int, ...]]]:
+    shapes = _shapes(rt, sids)
+    return [[s[i] for s in shapes] for i in range(len(sids))]
 
 
 def zero_ranks(rt: Runtime, sids: list[int], ranks: list[int]) -> None:
     """Set the variables to zeros (of their shapes there) in compute ranks ``ranks``."""
-    if not ranks:
-        return
-    per_rank = _values(rt, sids)
-    _assign(rt, sids, per_rank=[[np.zeros_like(v) for v in per_rank[r]] if r in ranks else None
-                                for r in range(rt.size)])
+    if ranks:
+        _command(rt, "zero", sids, list(ranks))
 
 
 _RUN: dict[str, Callable[..., Any]] = {
@@ -138,7 +143,169 @@ _RUN: dict[str, Callable[..., Any]] = {
 def run(rt: Runtime, name: str, payload: dict[str, Any]) -> Any:
     """Collective ``name`` (checked by :mod:`synkhronos.collectives`) with its payload there;
     returns what the per-rank engine's command returns in the master."""
-    sids = payload["sids"]
-    dtypes = [rt.shared[sid].type.dtype for sid in sids]
-    args = {k: v for k, v in payload.items() if k not in ("sids", "nccl")}
-    return _RUN[name](rt, sids, dtypes, **args)
+    args = {k: v for k, v in payload.items() if k != "nccl"}
+    return _RUN[name](rt, **args)
+
+
+# --- a worker ------------------------------------------------------------------------------------
+
+_PROGRAMS: dict[tuple[Any, ...], Any] = {}
+"""The jitted collectives of this worker, by kind and static arguments (``jax.jit`` keeps one
+executable per operand shapes); a worker serves one engine run, so the mesh never changes."""
+
+
+def _jitted(rt: Runtime, key: tuple[Any, ...], body: Callable[..., tuple[Any, ...]], n: int) -> Any:
+    """``jax.jit(shard_map(body))`` over the ranks' mesh, ``n`` replicated operands and results
+    (each rank's own value: as in :mod:`synkhronos.engine.program`)."""
+    program = _PROGRAMS.get(key)
+    if program is None:
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        specs = tuple([P()] * n)
+        program = jax.jit(_shard_map()(body, mesh=rt.engine.mesh, in_specs=specs, out_specs=specs, check_vma=False))
+        _PROGRAMS[key] = program
+    return program
+
+
+def _reduced(op: str, value: Any) -> Any:
+    """``value`` reduced over the ranks by ``op`` (inside ``shard_map``; booleans as integers)."""
+    dtype = np.dtype(value.dtype)
+    if dtype.kind == "b":
+        return _over_ranks(value.astype(np.int32), op, np.dtype(np.int32)).astype(dtype)
+    return _over_ranks(value, op, dtype)
+
+
+def _operands(rt: Runtime, variables: list[Any], shapes: list[tuple[int, ...]] | None = None) -> list[Any]:
+    """Each variable's value as a replicated operand of a program (zeros of ``shapes[i]`` where
+    this rank's value has another shape)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    device = cast("EngineDevice", rt.device)
+    sharding = NamedSharding(rt.engine.mesh, P())
+    out = []
+    for i, var in enumerate(variables):
+        value = device.global_value(var, sharding)
+        if shapes is not None and tuple(value.shape) != tuple(shapes[i]):
+            local = jax.numpy.zeros(shapes[i], dtype=var.type.dtype, device=device.device)
+            value = jax.make_array_from_single_device_arrays(tuple(shapes[i]), sharding, [local])
+        out.append(value)
+    return out
+
+
+def _decode(rt: Runtime, encoded: tuple[str, Any]) -> np.ndarray:
+    """A value as :func:`synkhronos.collectives._encode` sent it: a Data's array (read in place from its
+    shared memory), or the value itself."""
+    kind, value = encoded
+    if kind == "data":
+        arr = rt.data[value].data
+        assert arr is not None
+        return arr
+    return np.asarray(value)
+
+
+def _own_rows(rt: Runtime, value: np.ndarray, rows: Any) -> np.ndarray:
+    """This rank's part of ``value[rows]`` when it is scattered over the ranks."""
+    count = len(range(*rows.indices(len(value)))) if isinstance(rows, slice) else len(rows)
+    a, b = (int(p) for p in normalise_positions(count, rt.size)[rt.rank])
+    return value[rows][a:b] if isinstance(rows, slice) else value[np.asarray(rows)[a:b]]
+
+
+def _assign(rt: Runtime, variables: list[Any], values: list[Any], rows: list[Any] | None, how: Any) -> None:
+    """Set values from the host: every rank (``how`` None), each rank its rows (``"scatter"``), or rank ``how``."""
+    if isinstance(how, int) and how != rt.rank:
+        return
+    for i, var in enumerate(variables):
+        value = _decode(rt, values[i])
+        if how == "scatter":
+            value = _own_rows(rt, value, rows[i])  # type: ignore[index]
+        elif rows is not None and rows[i] is not ...:
+            value = value[rows[i]]
+        rt.device.set(var, value)
+
+
+def _store(rt: Runtime, variables: list[Any], results: Any) -> None:
+    """Keep a program's results as the variables' values, once it has finished: a failure inside
+    it (a peer gone from the collective) surfaces in this command, as in a call."""
+    import jax
+
+    jax.block_until_ready(results)
+    device = cast("EngineDevice", rt.device)
+    for var, glob in zip(variables, results):
+        device.store(var, glob)
+
+
+@handler(COLLECT)
+def _collect(group: Group, payload: tuple[str, list[int], Any]) -> None:
+    if group.is_master:
+        return
+    rt = current()
+    if rt is None or rt.engine is None:
+        raise RuntimeError("this worker has not joined the engine's runtime (the JOIN command comes first)")
+    action, sids, arg = payload
+    variables = [rt.shared_var(sid) for sid in sids]
+    device = rt.device
+    if action == "shapes":
+        group.reply([np.array(np.shape(device.raw(var)), dtype=np.int64) for var in variables])
+    elif action == "read":
+        group.reply([device.get(var) for var in variables])
+    elif action == "get":
+        group.reply([device.get(var) for var in variables] if rt.rank == arg else [])
+    elif action == "assign":
+        _assign(rt, variables, *arg)
+    elif action == "zero":
+        if rt.rank in arg:
+            for var in variables:
+                device.set(var, device.xp.zeros_like(device.raw(var)))
+    elif action == "broadcast":
+        import jax
+
+        def bcast(*xs: Any) -> tuple[Any, ...]:
+            first = jax.lax.axis_index(AXIS) == 0
+            return tuple(_reduced("sum", jax.numpy.where(first, x, jax.numpy.zeros_like(x))) for x in xs)
+
+        _store(rt, variables, _jitted(rt, ("broadcast", len(sids)), bcast, len(sids))(*_operands(rt, variables, arg)))
+    elif action in ("all_reduce", "reduce"):
+        import jax
+
+        op, in_place = (arg, True) if action == "all_reduce" else arg
+
+        def reduce(*xs: Any) -> tuple[Any, ...]:
+            return tuple(_reduced(op, x) for x in xs)
+
+        results = _jitted(rt, ("reduce", op, len(sids)), reduce, len(sids))(*_operands(rt, variables))
+        jax.block_until_ready(results)
+        if action == "all_reduce" or (in_place and rt.rank == 0):
+            _store(rt, variables, results)
+        if action == "reduce":
+            group.reply([np.asarray(r.addressable_data(0)) for r in results] if rt.rank == 0 and not in_place else [])
+    elif action == "all_gather":
+        _all_gather_here(rt, variables, arg)
+    else:
+        raise ValueError(f"unknown engine collective {action!r}")
+
+
+def _all_gather_here(rt: Runtime, variables: list[Any], lengths: list[tuple[int, ...]]) -> None:
+    """This rank's part of ``all_gather``: its values padded to the longest rank's, gathered in the
+    program, each rank's rows cut out (``lengths[i][r]``: rank ``r``'s rows of variable ``i``)."""
+    import jax
+    import jax.numpy as jnp
+
+    device = rt.device
+    longest = [max(ls) for ls in lengths]
+    for var, n in zip(variables, longest):  # pad this rank's value (a local op on its device)
+        value = device.raw(var)
+        if value.shape[0] < n:
+            device.set(var, jnp.concatenate([value, jnp.zeros((n - value.shape[0], *value.shape[1:]), value.dtype)]))
+    key = ("all_gather", tuple(tuple(ls) for ls in lengths))
+
+    def gather(*xs: Any) -> tuple[Any, ...]:
+        out = []
+        for x, ls in zip(xs, lengths):
+            stacked = jax.lax.all_gather(x, AXIS)
+            out.append(jnp.concatenate([stacked[r, :n] for r, n in enumerate(ls)], axis=0))
+        return tuple(out)
+
+    _store(rt, variables, _jitted(rt, key, gather, len(variables))(*_operands(rt, variables)))

@@ -15,7 +15,7 @@ its ``get_value()`` reads and its ``set_value(v)`` sets (:mod:`synkhronos.engine
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -49,11 +49,6 @@ class EngineDevice(GpuDevice):
         device, a DMA at the link's full speed)."""
         return list(self.jax.device_put(arrays, self._local)) if arrays else []
 
-    @property
-    def nccl_capable(self) -> bool:  # type: ignore[override]
-        """Never: the engine's collectives are inside its programs."""
-        return False
-
     def global_value(self, var: SharedVariable, sharding: Any) -> Any:
         """The variable's value as the program's replicated operand (cached)."""
         local = self.raw(var)
@@ -77,11 +72,17 @@ class HostDevice(CpuDevice):
 
     kind = "engine-master"
 
+    def __init__(self, use_gpu: bool = False) -> None:
+        super().__init__()
+        self.use_gpu = use_gpu  # the run's mode (its workers' devices), for the user's checks
+
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The master never runs a function: the cheapest compilation that keeps the graph (Python
         linker, the fast_compile rewrites), whatever mode the function asks for (the workers honour it)."""
         from pytensor.compile.mode import Mode
 
+        if self.use_gpu:  # the workers compile in JAX mode: refuse another mode here, before any worker acts
+            GpuDevice.compile_kwargs(cast(GpuDevice, self), kwargs)
         return {**kwargs, "mode": Mode(linker="py", optimizer="fast_compile")}
 
     def adopt(self, var: SharedVariable) -> None:

@@ -25,7 +25,7 @@ from synkhronos import calls
 from synkhronos.engine import CALL, PROGRAM, VALUE, NotOneProgramError
 from synkhronos.engine.launch import ABORT_GRACE_S
 from synkhronos.engine.phases import PHASES
-from synkhronos.engine.program import STACKED, _output_form, fit_reason, per_rank_reason
+from synkhronos.engine.program import STACKED, _output_form, fit_reason, per_rank_reason, shares
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, current
@@ -94,25 +94,55 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | Non
     if ph is not None:
         ph.mark("command")
     replies = rt.group.replies()
-    shares = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
-    ops, stacked = rt.engine.outputs_of(rep, plan.subset)
-    if int(shares[0][0]) == PROGRAM:
-        rt.engine.last_weights = [float(shares[0][1]) / rt.size] * rt.size
-        results = [combine(op, list(value), [1.0] * rt.size, what=f"output {i}") if stack else value
-                   for i, (op, stack, value) in enumerate(zip(ops, stacked, shares[0][2:]))]
+    parts = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
+    if int(parts[0][0]) == PROGRAM:
+        counts = shares(rep, plan)
+        if counts is None:  # every rank the same rows: the output forms are cached per subset
+            ops, stacked = rt.engine.outputs_of(rep, plan.subset)
+            rt.engine.last_weights = [float(parts[0][1]) / rt.size] * rt.size
+            results = [combine(op, list(value), [1.0] * rt.size, what=f"output {i}") if stack else value
+                       for i, (op, stack, value) in enumerate(zip(ops, stacked, parts[0][2:]))]
+        else:
+            rt.engine.last_weights = [float(c) for c in counts]
+            results = _program_outputs(rep, plan, rep.output_ops(plan.subset), parts[0][2:], counts)
         if ph is not None:
             ph.mark("results")
         return results
-    rt.engine.last_weights = [float(s[1]) for s in shares]
+    ops = rep.output_ops(plan.subset)
+    rt.engine.last_weights = [float(s[1]) for s in parts]
     _log_per_rank(rt, rep, reason)
-    weights = [float(s[1]) for s in shares]
-    return [combine(op, [s[2 + i] if len(s) > 2 else np.empty(0) for s in shares], weights, what=f"output {i}")
+    weights = [float(s[1]) for s in parts]
+    return [combine(op, [s[2 + i] if len(s) > 2 else np.empty(0) for s in parts], weights, what=f"output {i}")
             for i, op in enumerate(ops)]
+
+
+def _program_outputs(rep: Replica, plan: calls.CallPlan, ops: list[str], values: list[Any],
+                     counts: list[int] | None) -> list[Any]:
+    """The outputs of a call that ran as one program (compute rank 0's reply): reduced in the
+    program, or stacked per rank (see :mod:`synkhronos.engine.program`) and combined here.  An uneven
+    call (``counts``: each rank's rows) stacks every ``gather`` output too, padded along axis 0, and
+    ends with each rank's length of them."""
+    dtypes = [np.dtype(v.type.dtype) for v in rep.output_variables(plan.subset)]
+    weights = [float(c) for c in counts] if counts is not None else [1.0] * len(plan.positions)
+    lengths = values[len(ops)] if counts is not None else None
+    out, g = [], 0
+    for i, (op, dtype, value) in enumerate(zip(ops, dtypes, values)):
+        form = _output_form(op, dtype)
+        if form == STACKED or (lengths is not None and form == "gather"):
+            stacked = list(value)
+            if lengths is not None and form == "gather" and np.ndim(value) > 1:
+                stacked = [v[:int(n)] for v, n in zip(value, lengths[:, g])]
+            g += 1
+            out.append(combine(op, stacked, weights, what=f"output {i}"))
+        else:
+            out.append(value)
+    return out
 
 
 
 def _log_per_rank(rt: Runtime, rep: Replica, reason: str | None) -> None:
-    reason = reason or "its JAX form takes shape arguments"
+    reason = reason or ("its JAX form takes shape arguments, or (uneven shares) an output's shape follows the rows "
+                        "under an op that needs one shape")
     key = (rep.spec.fid, reason)
     if key not in rt.engine.logged:
         rt.engine.logged.add(key)

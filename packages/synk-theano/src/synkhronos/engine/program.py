@@ -20,8 +20,11 @@ sliceable variables      with a ``batch_s`` window: ``P()``, each rank's whole v
                          program per row count
 =======================  ======================================================================
 
+Uneven shares (ranks with different numbers of rows): one branch per share size, see
+:func:`_uneven_body`.
+
 Results, all ``P()``: every output reduced over the ranks inside the program (``sum``: ``psum``;
-``avg``: ``pmean``, exact because every rank has the same number of rows; ``max``/``min``:
+``avg``: ``pmean`` with even shares, a sum weighted by rows with uneven ones; ``max``/``min``:
 ``pmax``/``pmin``; ``prod`` and ``None`` (gather): an ``all_gather``, then the product or the
 concatenation in rank order), and each rank's updated values, whose input buffers are donated.
 Only compute rank 0 copies the outputs to the host.  Outputs that XLA cannot reduce as the host
@@ -44,7 +47,7 @@ from synkhronos.replica import Replica
 if TYPE_CHECKING:
     from synkhronos.engine.device import EngineDevice
 
-__all__ = ["AXIS", "Program", "fit_reason", "per_rank_reason", "shapes_of", "window"]
+__all__ = ["AXIS", "Program", "ShapesDiffer", "fit_reason", "per_rank_reason", "shapes_of", "shares", "window"]
 
 log = logging.getLogger("synkhronos")
 
@@ -53,6 +56,13 @@ AXIS = "ranks"
 
 STACKED = "stacked"
 """How an output leaves the program when the master combines it (see the module docstring)."""
+
+
+class ShapesDiffer(ValueError):
+    """Raised when tracing an uneven call's program: an output (or updated value) has other shapes
+    in the branches than its op can combine (a ``sum`` of rows that follow the row count, say).
+    Every rank finds it alike; the call then runs per rank, where the master's combine raises the
+    user's ValueError (:func:`synkhronos.reduce_ops.common_shape`)."""
 
 
 def per_rank_reason(rep: Replica, plan: CallPlan) -> str | None:
@@ -65,9 +75,10 @@ def per_rank_reason(rep: Replica, plan: CallPlan) -> str | None:
     if plan.num_slices > 1:
         return "num_slices > 1"
     counts = {int(p1 - p0) for p0, p1 in plan.positions}
-    if spec.inputs and len(counts) > 1:
-        total = int(plan.positions[-1][1])
-        return f"uneven shares ({total} rows over {len(plan.positions)} ranks)"
+    if spec.inputs and len(counts) > 1 and (rep.has_collectives or spec.sliceable):
+        total = sum(int(p1 - p0) for p0, p1 in plan.positions)
+        why = "in-graph collectives" if rep.has_collectives else "sliceable shared variables"
+        return f"uneven shares ({total} rows over {len(plan.positions)} ranks) with {why}"
     if rep.uses_random_state:
         return "it uses a random generator shared variable"
     if spec.sliceable:
@@ -78,6 +89,13 @@ def per_rank_reason(rep: Replica, plan: CallPlan) -> str | None:
         if spec.inputs and counts != {found[1]}:
             return "the batch_s rows differ from the scattered rows"
     return None
+
+
+def shares(rep: Replica, plan: CallPlan) -> list[int] | None:
+    """Each rank's rows of the scattered inputs when they differ between ranks (an uneven call, run
+    by the program's branches: see :class:`Program`); None when every rank has the same rows."""
+    counts = [int(p1 - p0) for p0, p1 in plan.positions]
+    return counts if rep.spec.inputs and len(set(counts)) > 1 else None
 
 
 def window(plan: CallPlan) -> tuple[list[int], int] | None:
@@ -181,7 +199,8 @@ class Program:
         The ranks' 1-D mesh (axis :data:`AXIS`).
     """
 
-    def __init__(self, rep: Replica, subset: tuple[int, ...] | None, mesh: Any, count: int = 0) -> None:
+    def __init__(self, rep: Replica, subset: tuple[int, ...] | None, mesh: Any, count: int = 0,
+                 branches: tuple[int, ...] = ()) -> None:
         import jax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -227,8 +246,17 @@ class Program:
             news = [asarray(u, dtype=dt) for u, dt in zip(outs[n_out:], update_dtypes)]
             return (*results, *news)
 
-        in_specs = [P(AXIS) if i < self.n_scattered or i in starts else P() for i in range(len(fgraph.inputs))]
+        self.branches = branches
+        self.shapes_differ = False
+        """Whether tracing found :class:`ShapesDiffer` (the call then runs per rank)."""
+        n_in = len(fgraph.inputs)
+        if branches:
+            body = _uneven_body(local, branches, self.n_scattered, donate, forms, dtypes, update_dtypes)
+        in_specs = [P(AXIS) if i < self.n_scattered or i in starts else P() for i in range(n_in)]
         out_specs = tuple([P()] * (self.n_out + len(self.updated)))
+        if branches:  # the rank's branch (an int32 (1,) block); the gathered outputs' lengths
+            in_specs.append(P(AXIS))
+            out_specs += (P(),)
         mapped = _shard_map()(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
         self.jitted = jax.jit(mapped, donate_argnums=tuple(donate))
         self.rows = NamedSharding(mesh, P(AXIS))
@@ -245,15 +273,19 @@ class Program:
                  start: int = 0) -> list[Any]:
         """Run this rank's part: ``scattered`` its rows, ``bcast`` the broadcast values, ``start`` its
         first row of the sliceable variables.  Stores the updated values; returns the outputs (global
-        arrays, replicated; not waited for)."""
+        arrays, replicated; not waited for), and with :attr:`branches` last the gathered outputs'
+        lengths in every rank (see :func:`_uneven_body`)."""
+        if self.branches:  # this rank's rows, padded to the largest share (the branch reads its own rows)
+            branch = self.branches.index(len(scattered[0]))
+            scattered = [_padded(x, self.branches[-1]) for x in scattered]
         host = [*scattered, *(np.asarray(b) for b in bcast)]
         if self.sliceable:
             host.append(np.array([start], dtype=np.int32))
         if self.size == 1:  # the host arrays are the global operands: the program's own dispatch moves them
-            args = host[:len(host) - bool(self.sliceable)]
+            args = host[:len(scattered) + len(bcast)]
             if self.sliceable:
                 args += [device.global_value(var, self.replicated) for var in self.sliceable]
-                args += [host[-1]] * len(self.sliceable)
+                args += [host[len(scattered) + len(bcast)]] * len(self.sliceable)
         else:
             args = self._operands_of(device, host, len(scattered), len(bcast))
         if PHASES is not None:
@@ -263,16 +295,20 @@ class Program:
             self._operands = [device.global_value(var, self.replicated) for var in self.shared]
             self._values = [var.container.storage[0] for var in self.shared]
         args += self._operands
+        if self.branches:  # the rank's branch index (over several ranks only): the program's last operand
+            index = device.put([np.array([branch], dtype=np.int32)])[0]
+            args.append(device.jax.make_array_from_single_device_arrays((self.size,), self.rows, [index]))
         if PHASES is not None:
             PHASES.mark("operands")
         outs = self.jitted(*args)
         self._last = outs
-        for i, (var, new) in enumerate(zip(self.updated, outs[self.n_out:])):
+        n_new = len(self.updated)
+        for i, (var, new) in enumerate(zip(self.updated, outs[self.n_out:self.n_out + n_new])):
             local = device.store(var, new)
             j = self._position.get(i)
             if j is not None:
                 self._operands[j], self._values[j] = new, local
-        return list(outs[:self.n_out])
+        return list(outs[:self.n_out]) + list(outs[self.n_out + n_new:])
 
     def _operands_of(self, device: EngineDevice, host: list[np.ndarray], n: int, n_bcast: int) -> list[Any]:
         """Over several ranks: this rank's host arrays onto its device, each made the global operand
@@ -296,3 +332,96 @@ class Program:
     def forget(self) -> None:
         """The last run has finished (the caller read an output of it): nothing to wait for."""
         self._last = ()
+
+def _padded(x: np.ndarray, rows: int) -> np.ndarray:
+    """``x`` with zero rows appended up to ``rows`` (no copy when it has them already)."""
+    if len(x) == rows:
+        return x
+    out = np.zeros((rows, *x.shape[1:]), dtype=x.dtype)
+    out[:len(x)] = x
+    return out
+
+
+def _uneven_body(local: Any, branches: tuple[int, ...], n_scattered: int, donate: list[int], forms: list[str],
+                 dtypes: list[np.dtype], update_dtypes: list[np.dtype]) -> Any:
+    """The body of a program whose ranks hold different numbers of rows (``branches``: the distinct
+    row counts, ascending).
+
+    Every rank's scattered blocks are padded to the largest count; the rank's branch index (its
+    last operand) selects, through ``lax.switch``, the branch that runs the graph on exactly its own
+    rows ``[:k]`` (static shapes in each branch).  No padded row ever reaches the graph, so the
+    result is exact for any graph (a ``mean`` over the rows, a row-count-dependent shape), which
+    padding the graph's input could not be.  Outside the switch the outputs reduce as in the even
+    program, weighted by rows: ``avg`` is ``psum(y_r * k_r / sum k)``; a rank of 0 rows computes
+    nothing, puts in the op's identity and keeps its shared values (as in the per-rank engine).
+    ``gather`` outputs (and the ones the master combines) leave the program stacked, padded to the
+    longest along axis 0, with every rank's length (the last result) for the master to cut.
+
+    A graph whose collectives would run inside the branches is never compiled so: ranks would take
+    different branches, so their collectives would not be the same instructions (see
+    :func:`per_rank_reason`).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from synkhronos.reduce_ops import common_shape, identity
+
+    lax = jax.lax
+    n_out = len(forms)
+    gathered = [i for i, f in enumerate(forms) if f in ("gather", STACKED)]
+    weights = np.array(branches, dtype=np.float64)
+
+    def run(k: int, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        outs = local(*(a[:k] if i < n_scattered else a for i, a in enumerate(args)))
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        return tuple(jnp.asarray(o, dtype=dt) for o, dt in zip(outs, [*dtypes, *update_dtypes]))
+
+    def body(*operands: Any) -> tuple[Any, ...]:
+        args, index = tuple(operands[:-1]), operands[-1][0]
+        shapes = {k: [tuple(o.shape) for o in jax.eval_shape(lambda *a, k=k: run(k, a), *args)]
+                  for k in branches if k > 0}
+        out_shapes = []
+        for i in range(n_out + len(update_dtypes)):
+            found = [s[i] for s in shapes.values()]
+            what = f"output {i}" if i < n_out else f"updated value {i - n_out}"
+            try:
+                if i in gathered and forms[i] == "gather":
+                    common_shape("gather", found, what)
+                    out_shapes.append((max(s[0] for s in found), *found[0][1:]) if found[0] else ())
+                else:
+                    out_shapes.append(common_shape("avg", found, what))
+            except ValueError as exc:
+                raise ShapesDiffer(str(exc)) from None
+
+        def branch(k: int) -> Any:
+            def go(*a: Any) -> tuple[Any, ...]:
+                if k == 0:  # nothing computed: the identities, the shared values unchanged, no rows
+                    outs = [jnp.zeros(out_shapes[i], dt) if i in gathered else
+                            jnp.full(out_shapes[i], identity(forms[i], dt), dt) for i, dt in enumerate(dtypes)]
+                    news = [jnp.asarray(a[j], dtype=dt) for j, dt in zip(donate, update_dtypes)]
+                    return (*outs, *news, jnp.zeros(len(gathered), jnp.int32))
+                outs = list(run(k, a))
+                lengths = []
+                for i in gathered:
+                    shape = out_shapes[i]
+                    lengths.append(outs[i].shape[0] if outs[i].ndim else 1)
+                    if outs[i].ndim and outs[i].shape[0] < shape[0]:
+                        outs[i] = jnp.concatenate([outs[i], jnp.zeros((shape[0] - outs[i].shape[0], *shape[1:]),
+                                                                      outs[i].dtype)])
+                return (*outs, jnp.asarray(lengths, jnp.int32))
+            return go
+
+        *outs, lengths = lax.switch(index, [branch(k) for k in branches], *args)
+        weight = jnp.asarray(weights)[index]
+        total = lax.psum(weight, AXIS)
+        results = []
+        for i, (value, form, dt) in enumerate(zip(outs[:n_out], forms, dtypes)):
+            if i in gathered:
+                results.append(lax.all_gather(value, AXIS))
+            elif form == "avg":
+                results.append(lax.psum(value * (weight / total).astype(dt), AXIS))
+            else:
+                results.append(_reduce(value, form, dt))
+        return (*results, *outs[n_out:], lax.all_gather(lengths, AXIS))
+
+    return body

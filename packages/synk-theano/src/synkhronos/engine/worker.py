@@ -29,7 +29,16 @@ from synkhronos import calls
 from synkhronos.engine import CALL, JOIN, PER_RANK, PROGRAM, VALUE, launch, phases
 from synkhronos.engine.device import EngineDevice
 from synkhronos.engine.phases import PHASES
-from synkhronos.engine.program import AXIS, Program, fit_reason, per_rank_reason, shapes_of, window
+from synkhronos.engine.program import (
+    AXIS,
+    Program,
+    ShapesDiffer,
+    fit_reason,
+    per_rank_reason,
+    shapes_of,
+    shares,
+    window,
+)
 from synkhronos.runtime import Runtime, current, set_current
 
 __all__ = ["PIN_ENV", "Ranks", "pins_inputs"]
@@ -64,7 +73,7 @@ class Ranks:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.mesh = Mesh(np.array(devices), (AXIS,))
         self.device = device
-        self.programs: dict[tuple[int, tuple[int, ...] | None, int], Program | None] = {}
+        self.programs: dict[tuple[int, tuple[int, ...] | None, int, tuple[int, ...]], Program | None] = {}
         self.pinning = pin
         """Whether :meth:`pin` registers memory (off where the device cannot, after the first failure)."""
         self.pinned: dict[int, int] = {}
@@ -77,8 +86,8 @@ class Ranks:
     def remember(self, key: bytes, known: tuple[calls.CallPlan, Any, Program, Any, np.ndarray]) -> None:
         """Keep what a call's plan decoded to (:attr:`known`): the next call of the same plan looks it up.
         Not for functions with sliceable shared variables (each call compares their shapes between the
-        ranks, a collective the master takes part in)."""
-        if known[1].spec.sliceable:
+        ranks, a collective the master takes part in), nor for uneven calls."""
+        if known[1].spec.sliceable or known[2].branches:  # (uneven calls: rare, and may turn per rank)
             return
         if len(self.known) >= 256:
             self.known.clear()
@@ -123,13 +132,15 @@ class Ranks:
             except Exception as exc:  # the mapping is gone either way
                 log.debug("synkhronos: dma_unmap of Data %d failed: %s", did, exc)
 
-    def program(self, rt: Runtime, fid: int, subset: tuple[int, ...] | None, count: int) -> Program | None:
+    def program(self, rt: Runtime, fid: int, subset: tuple[int, ...] | None, count: int,
+                branches: tuple[int, ...] = ()) -> Program | None:
         """The function's program for ``subset`` (made on first use; ``count``: rows of its
-        sliceable variables' window, 0 without); None if its JAX form takes shape arguments
+        sliceable variables' window, 0 without; ``branches``: the distinct row counts of an uneven
+        call, () for an even one); None if its JAX form takes shape arguments
         (``scalar_shape_inputs``), which one program cannot."""
-        key = (fid, subset, count)
+        key = (fid, subset, count, branches)
         if key not in self.programs:
-            program = Program(rt.replicas[fid], subset, self.mesh, count)
+            program = Program(rt.replicas[fid], subset, self.mesh, count, branches)
             self.programs[key] = None if program.takes_shapes else program
         return self.programs[key]
 
@@ -173,7 +184,12 @@ def _call(group: Group, _payload: None) -> None:
         if reason is None and rep.spec.sliceable:  # do the sliceable variables fit one program in every rank?
             reason = fit_reason(group.host.all_gather(shapes_of(rep, rt.device))[1:], plan)
         found = window(plan) if rep.spec.sliceable else None
-        program = None if reason else rt.engine.program(rt, plan.fid, plan.subset, found[1] if found else 0)
+        counts = shares(rep, plan)
+        branches = tuple(sorted(set(counts))) if counts else ()
+        program = None if reason else rt.engine.program(rt, plan.fid, plan.subset, found[1] if found else 0,
+                                                         branches)
+        if program is not None and branches and program.shapes_differ:
+            program = None  # outputs whose shapes follow the rows: per rank, where the master says what differs
         if program is None:
             if rep.has_collectives:
                 raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only "
@@ -181,8 +197,9 @@ def _call(group: Group, _payload: None) -> None:
             weight, outputs = calls.execute(rt, plan)
             group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
             return
-        rows = found[1] if found else int(plan.positions[0][1] - plan.positions[0][0]) if rep.spec.inputs else 1
-        weight = np.array(float(rows * rt.size))  # the call's rows over every rank
+        rows = (found[1] * rt.size if found else sum(int(p1 - p0) for p0, p1 in plan.positions)
+                if rep.spec.inputs else rt.size)
+        weight = np.array(float(rows))  # the call's rows over every rank
         rt.engine.remember(key, (plan, rep, program, found, weight))
     if ph is not None:
         ph.mark("plan")
@@ -190,7 +207,12 @@ def _call(group: Group, _payload: None) -> None:
     rt.engine.pin(rt, plan.data_ids)
     if ph is not None:
         ph.mark("rows")
-    outputs = program(rt.device, scattered, bcast, found[0][rt.rank] if found else 0)
+    try:
+        outputs = program(rt.device, scattered, bcast, found[0][rt.rank] if found else 0)
+    except ShapesDiffer:  # found when tracing, alike in every rank: they all run it per rank instead
+        program.shapes_differ = True
+        _call(group, _payload)
+        return
     if ph is not None:
         ph.mark("dispatch")
     if rt.rank == 0 and outputs:

@@ -1,0 +1,89 @@
+"""The packages' import graphs have no cycles (issue 17, item 7): every import a module runs, at its
+top or inside a function, counts; imports under ``if TYPE_CHECKING:`` (annotations only) do not.
+Built with ``ast`` from the sources, no package is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGES = Path(__file__).resolve().parents[2]
+
+
+def import_graph(src: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (a package's ``__init__`` under its own name;
+    an import of a module's own package is left out: it runs first whoever imports)."""
+    files = {}
+    for path in (src / package).rglob("*.py"):
+        parts = path.relative_to(src).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(sub) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for sub in ast.walk(node)}
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else str(node.module)
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            for target in targets:
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.mark.parametrize("folder, package", [("synk-shm", "synk_shm"), ("synk-comm", "synk_comm"),
+                                             ("synk-theano", "synkhronos"), ("synk-lasagne", "synk_lasagne")])
+def test_no_import_cycles(folder, package):
+    graph = import_graph(PACKAGES / folder / "src", package)
+    assert len(graph) > 3
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
