@@ -190,9 +190,9 @@ def test_batch_s_on_each_hosts_own_rows(ranks, caplog):
 def test_a_rank_error_on_the_other_host_names_rank_and_host(ranks):
     x = pt.matrix("x")
     f = synk.function([x], outputs=(pt.sum(Slow(0.0, fail_rank=2)(x)), "sum"))
-    bad = synk.data(-np.ones((7, 4)))  # uneven: per rank, so the group stays usable
+    bad = synk.data(-np.ones((7, 4)))
     with pytest.raises(WorkerError, match=f"rank 3 \\(host {HOST}\\) raised ") as info:
-        f(bad)
+        f(bad, num_slices=2)  # num_slices: per-rank programs, so the group stays usable
     assert info.value.ranks == [3] and "fails on purpose" in str(info.value)
     assert f(synk.data(np.ones((7, 4)))) == 28.0
 
