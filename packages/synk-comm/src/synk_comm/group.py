@@ -136,6 +136,7 @@ class Group:
         else:
             self.control = ControlBlock.attach(f"{prefix}ctl", size, scratch_size)
         self.sems = Semaphores(prefix, size, create=create)
+        self._go_workers = [self.sems.go[r] for r in range(size) if r != master_rank]
         self.buffers = Buffers(self.control, prefix, rank, size)
         self.scratch = self.control.scratch
         self._status = self.control.rows["status"]  # int64 view: one status per rank
@@ -231,7 +232,8 @@ class Group:
 
         ``payload`` (any picklable object, or None for the hot path) reaches each worker's
         handler.  On exit the master waits for every worker; a worker's exception is raised here
-        as :class:`WorkerError`, after which the group is usable again.
+        as :class:`WorkerError`, after which the group is usable again.  The same as
+        :meth:`start_command`, the body, then :meth:`finish_command`.
 
         Raises
         ------
@@ -242,6 +244,18 @@ class Group:
         ValueError
             If no handler is registered under ``name``.
         """
+        self.start_command(name, payload)
+        try:
+            yield
+        except BaseException as exc:
+            self.finish_command(exc)
+            raise  # pragma: no cover - finish_command raised it
+        self.finish_command(None)
+
+    def start_command(self, name: str, payload: Any = None) -> None:
+        """The first half of :meth:`command` (for hot paths that avoid a context manager): the
+        workers start command ``name``; the caller must call :meth:`finish_command` next, with
+        the exception its own part raised or None."""
         self._require_master()
         self._require_usable()
         self._settle()
@@ -260,20 +274,19 @@ class Group:
         header[CMD] = cmd
         self._buffer_turn = 0
         self._pending = len(self.workers)
-        for r in self.workers:
-            self.sems.go[r].release()
-        master_exc: BaseException | None = None
-        try:
-            yield
-        except BaseException as exc:
-            master_exc = exc
-            if not isinstance(exc, GroupAborted):
-                header[ABORT] = self.rank + 1
-        if isinstance(master_exc, KeyboardInterrupt) or self._closed:
-            # KeyboardInterrupt: the workers' completions are collected before the next command.
-            # Closed: a worker died and the group shut down; nothing is left to collect.
-            assert master_exc is not None
-            raise master_exc
+        for sem in self._go_workers:
+            sem.release()
+
+    def finish_command(self, master_exc: BaseException | None) -> None:
+        """The second half of :meth:`command`: wait for every worker; raise ``master_exc`` (the
+        master's own failure, if any) or the workers' errors."""
+        if master_exc is not None:
+            if not isinstance(master_exc, GroupAborted):
+                self.control.header[ABORT] = self.rank + 1
+            if isinstance(master_exc, KeyboardInterrupt) or self._closed:
+                # KeyboardInterrupt: the workers' completions are collected before the next command.
+                # Closed: a worker died and the group shut down; nothing is left to collect.
+                raise master_exc
         self._finish(master_exc)
 
     def reply(self, arrays: Sequence[np.ndarray]) -> None:
@@ -284,9 +297,13 @@ class Group:
         """
         self.buffers.publish(MAILBOX, [np.asarray(a) for a in arrays])
 
-    def replies(self) -> dict[int, list[np.ndarray]]:
-        """In the master, after a command: each worker's :meth:`reply` (copies), by rank."""
-        return {r: [v.copy() for v in self.buffers.read(r, MAILBOX)] for r in self.workers}
+    def replies(self, copy: bool = True) -> dict[int, list[np.ndarray]]:
+        """In the master, after a command: each worker's :meth:`reply`, by rank: copies, or with
+        ``copy=False`` views of the workers' buffers, valid until the next command."""
+        read = self.buffers.read
+        if not copy:
+            return {r: read(r, MAILBOX) for r in self.workers}
+        return {r: [v.copy() for v in read(r, MAILBOX)] for r in self.workers}
 
     def run(self, name: str, payload: Any = None) -> Any:
         """Run handler ``name`` in every rank (master included); returns the master's result."""
@@ -324,8 +341,10 @@ class Group:
 
     def _finish(self, master_exc: BaseException | None) -> None:
         self._collect()
-        errors = self._take_errors()
         header = self.control.header
+        if master_exc is None and not header[ABORT]:
+            return  # no worker failed: a worker sets the abort flag before it reports an error
+        errors = self._take_errors()
         if header[ABORT] or errors:
             self.sems.drain()
             header[ABORT] = 0

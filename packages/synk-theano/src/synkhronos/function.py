@@ -23,6 +23,7 @@ from synk_comm import WorkerError
 from synk_shm import Data
 from synkhronos import calls, data_registry
 from synkhronos import outputs as outputs_path
+from synkhronos.distribution import ensure_distributed
 from synkhronos.engine import master as engine_master
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
@@ -32,6 +33,7 @@ from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
 __all__ = ["Function", "function"]
 
 CALL = "synkhronos.call"
+_EMPTY = np.empty(0)
 
 
 @contextmanager
@@ -41,8 +43,23 @@ def _selection_errors() -> Iterator[None]:
     try:
         yield
     except WorkerError as exc:
-        if all(e.type_name == "SelectionError" for e in exc.errors):
-            raise calls.SelectionError("; ".join(e.message for e in exc.errors)) from None
+        _raise_selection_error(exc)
+        raise
+
+
+def _raise_selection_error(exc: WorkerError) -> None:
+    """Raise one :class:`~synkhronos.calls.SelectionError` where every failing rank found a bad
+    ``batch_s`` selection (else return: the caller raises ``exc``)."""
+    if all(e.type_name == "SelectionError" for e in exc.errors):
+        raise calls.SelectionError("; ".join(e.message for e in exc.errors)) from None
+
+
+def _finish_call(rt: Runtime, own_exc: BaseException | None) -> None:
+    """End a call's command (:meth:`synk_comm.Group.finish_command`), a selection error as one."""
+    try:
+        rt.group.finish_command(own_exc)
+    except WorkerError as exc:
+        _raise_selection_error(exc)
         raise
 
 
@@ -135,8 +152,13 @@ class Function:
         if rt.engine is not None:
             with _selection_errors():
                 return self._shape(engine_master.call(rt, self._replica, plan), plan)
-        with _selection_errors(), rt.group.command(CALL):
+        rt.group.start_command(CALL)  # the hot path: no context managers
+        try:
             own = calls.share(rt, plan)
+        except BaseException as exc:
+            _finish_call(rt, exc)
+            raise  # pragma: no cover - _finish_call raised
+        _finish_call(rt, None)
         return self._gather(rt, own, plan)
 
     def _prepare(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], subset: tuple[int, ...] | None,
@@ -146,8 +168,6 @@ class Function:
         if not rt.is_master:
             raise RuntimeError("synkhronos functions are called in the master only")
         self._require_current(rt)
-        from synkhronos.distribution import ensure_distributed
-
         ensure_distributed(rt)
         data_registry.flush_dropped(rt)
         datas = self._bind(args, kwargs)
@@ -168,7 +188,7 @@ class Function:
     def _gather(self, rt: Runtime, own: list[np.ndarray], plan: calls.CallPlan) -> Any:
         """The combined outputs, from the master's share and the workers' replies (outputs that
         went through collectives are combined already: the master's own entry)."""
-        shares = rt.group.replies()
+        shares = rt.group.replies(copy=False)  # views: combined into new arrays below
         shares[rt.rank] = own
         ordered = [shares[r] for r in range(rt.size)]
         weights = [float(s[0]) for s in ordered]
@@ -177,8 +197,10 @@ class Function:
         def result(i: int, op: str) -> Any:
             if plan.device_outputs >> i & 1 and len(own) > 1 + i:
                 return own[1 + i]
-            return combine(op, [s[1 + i] if len(s) > 1 else np.empty(0) for s in ordered], weights,
-                           what=f"output {i}")
+            values = [s[1 + i] if len(s) > 1 else _EMPTY for s in ordered]
+            out = combine(op, values, weights, what=f"output {i}")
+            # a lone part may be returned as it is: a worker's is a view of its buffer
+            return out.copy() if any(out is v for r, v in enumerate(values) if r != rt.rank) else out
 
         results = [result(i, op) for i, op in enumerate(ops)]
         self._output_nbytes[plan.subset] = [r.nbytes // (rt.size if op == "gather" else 1)
@@ -258,8 +280,7 @@ class Function:
         bs_kind, bs = self._batch_s(rt, batch_s, index_parts)
         index_did = data_registry.write_indices(rt, np.concatenate(index_parts)) if index_parts else -1
         rep = self._replica
-        device_outputs = outputs_path.choose(rt, rep.output_ops(subset),
-                                             [v.type.dtype for v in rep.output_variables(subset)],
+        device_outputs = outputs_path.choose(rt, rep.output_ops(subset), rep.output_variables(subset),
                                              self._output_nbytes.get(subset))
         return calls.CallPlan(spec.fid, int(num_slices), kind, start,
                               [data_registry.data_id(rt, d) for d in datas], subset,

@@ -52,15 +52,15 @@ _NCCL_KINDS = "iuf"  # NCCL reduces signed and unsigned integers and floats (not
 _MAX_OUTPUTS = 63  # the choice travels as the bits of one int64 scratch slot
 
 
-def choose(rt: Runtime, ops: Sequence[str], dtypes: Sequence[str], last_nbytes: Sequence[int] | None) -> int:
+def choose(rt: Runtime, ops: Sequence[str], variables: Sequence[Any], last_nbytes: Sequence[int] | None) -> int:
     """The master's choice for a call: bit ``i`` set when output ``i`` (in the call's output
-    order) goes through collectives.  ``last_nbytes``: each output's size per rank in the previous
-    call of the same output subset (None before the first)."""
+    order; ``variables``: the output variables) goes through collectives.  ``last_nbytes``: each
+    output's size per rank in the previous call of the same output subset (None before the first)."""
     if last_nbytes is None or rt.size < 2 or not rt.device.use_gpu:
         return 0
     mask = 0
-    for i, (op, dtype, nbytes) in enumerate(zip(ops, dtypes, last_nbytes)):
-        kind = np.dtype(dtype).kind
+    for i, (op, var, nbytes) in enumerate(zip(ops, variables, last_nbytes)):
+        kind = np.dtype(var.type.dtype).kind
         if (i < _MAX_OUTPUTS and op != "gather" and nbytes >= MIN_BYTES and kind in _NCCL_KINDS
                 and (op != "avg" or kind == "f")):
             mask |= 1 << i

@@ -37,6 +37,8 @@ OUTPUT_OPS = ("avg", "sum", "prod", "max", "min", "gather")
 UPDATE_OPS = ("avg", "sum", "prod", "max", "min")
 
 
+NUMPY_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
 def check_op(op: Any, what: str, allowed: Sequence[str] = OUTPUT_OPS) -> str:
     """Normalise a reduce op name (``None`` -> ``"gather"``); ValueError names the choices."""
     name = "gather" if op is None else op
@@ -73,17 +75,27 @@ def combine(op: str, values: Sequence[Any], weights: Sequence[float], xp: Any = 
     parts = [(v if xp is not np else np.asarray(v), w) for v, w in zip(values, weights) if w > 0]
     if not parts:
         raise ValueError("no part computed anything (every rank had 0 rows)")
-    common_shape(op, [tuple(v.shape) for v, _ in parts], what)
     if op == "gather":
+        common_shape(op, [tuple(v.shape) for v, _ in parts], what)
         arrays = [v for v, _ in parts]
         return xp.stack(arrays) if arrays[0].ndim == 0 else xp.concatenate(arrays, axis=0)
+    if len({v.shape for v, _ in parts}) > 1:
+        common_shape(op, [tuple(v.shape) for v, _ in parts], what)  # raises, naming the shapes
     if len(parts) == 1:
         return parts[0][0]
     first = parts[0][0]
+    if xp is np:  # one numpy operation over the parts stacked, whatever their number
+        stacked = np.array([v for v, _ in parts])
+        if op == "avg":
+            total = float(sum(w for _, w in parts))
+            dtype = first.dtype if first.dtype.kind in "fc" else np.dtype(np.float64)
+            scale = np.array([w / total for _, w in parts], dtype=dtype)
+            return np.asarray((scale @ stacked.reshape(len(parts), -1)).reshape(first.shape), dtype=dtype)
+        return np.asarray(NUMPY_OPS[op].reduce(stacked, axis=0), dtype=first.dtype)
     if op == "avg":
         total = float(sum(w for _, w in parts))
-        acc = sum(v * (w / total) for v, w in parts)
         dtype = first.dtype if np.dtype(first.dtype).kind in "fc" else np.float64
+        acc = sum(v * (w / total) for v, w in parts)
         return xp.asarray(acc, dtype=dtype)
     binary = {"sum": xp.add, "prod": xp.multiply, "max": xp.maximum, "min": xp.minimum}[op]
     out = first

@@ -250,9 +250,24 @@ def _declared(values: list[Any], variables: Sequence[Any]) -> list[Any]:
     in its accumulator dtype (a float32 sum as float64 when jax x64 is on, i.e. under floatX=float64)."""
     out = []
     for value, var in zip(values, variables):
-        dtype = getattr(var.type, "dtype", None)
+        dtype = _declared_dtype(var)
         out.append(value.astype(dtype) if dtype is not None and getattr(value, "dtype", dtype) != dtype else value)
     return out
+
+
+def _declared_dtype(var: Any) -> np.dtype[Any] | None:
+    """``var``'s dtype as a numpy dtype (None for a non-array type), from a cache: comparing a
+    value's dtype with a dtype name parses the name every time (a call's hot path)."""
+    name = getattr(var.type, "dtype", None)
+    if name is None:
+        return None
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = _DTYPES[name] = np.dtype(name)
+    return dtype
+
+
+_DTYPES: dict[str, np.dtype[Any]] = {}
 
 
 def _subrows(rows: Any, lo: int, hi: int) -> Any:
