@@ -281,12 +281,12 @@ class Group:
         """The second half of :meth:`command`: wait for every worker; raise ``master_exc`` (the
         master's own failure, if any) or the workers' errors."""
         if master_exc is not None:
+            if self._closed:  # a worker died and the group shut down: nothing is left to collect
+                raise master_exc
             if not isinstance(master_exc, GroupAborted):
                 self.control.header[ABORT] = self.rank + 1
-            if isinstance(master_exc, KeyboardInterrupt) or self._closed:
-                # KeyboardInterrupt: the workers' completions are collected before the next command.
-                # Closed: a worker died and the group shut down; nothing is left to collect.
-                raise master_exc
+            if isinstance(master_exc, KeyboardInterrupt):
+                raise master_exc  # the workers' completions are collected before the next command
         self._finish(master_exc)
 
     def reply(self, arrays: Sequence[np.ndarray]) -> None:
