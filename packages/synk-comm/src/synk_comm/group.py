@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import importlib
 import logging
 import os
@@ -29,6 +30,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -146,6 +148,7 @@ class Group:
         # The master decides (no spinning with more ranks than cores) and tells the workers at launch
         # (SYNK_SPIN_US): a worker pinned to its own cores cannot tell how many the group has.
         self._spin = SPIN_S if not create or size <= len(os.sched_getaffinity(0)) else 0.0
+        self._watchdog: _Watchdog | None = None  # the master's, made by start()
         self.abort_grace_s: float | None = None
         """Seconds the master waits, once a worker has reported an error during a command, for the
         other workers to finish it; then it counts them as stuck (inside a collective that can no
@@ -276,10 +279,17 @@ class Group:
         self._pending = len(self.workers)
         for sem in self._go_workers:
             sem.release()
+        if self._watchdog is not None:
+            self._watchdog.arm()
 
     def finish_command(self, master_exc: BaseException | None) -> None:
         """The second half of :meth:`command`: wait for every worker; raise ``master_exc`` (the
         master's own failure, if any) or the workers' errors."""
+        if self._watchdog is not None and self._watchdog.disarm() or isinstance(master_exc, _WorkerGone):
+            # the watchdog found a dead worker while the master computed its own part
+            self._check_workers()  # raises WorkerDiedError, the group closed
+            raise RuntimeError("synk_comm: a worker was seen dead during this command but has a live "
+                               "process now; the group is in an unknown state: start a new one")
         if master_exc is not None:
             if self._closed:  # a worker died and the group shut down: nothing is left to collect
                 raise master_exc
@@ -510,6 +520,8 @@ class Group:
 
     def _shutdown(self, timeout: float) -> None:
         """Tell every worker to exit (after aborting whatever it is doing), join, clean up."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._procs:
             header = self.control.header
             header[ABORT] = self.rank + 1  # a worker inside a command leaves its barriers...
@@ -567,6 +579,75 @@ def _master_gone(prefix: str) -> None:
     naming.unlink_prefix(run)
     naming.cleanup()
     os._exit(3)
+
+
+# --- the master's watchdog ---------------------------------------------------------------------
+
+class _WorkerGone(BaseException):
+    """Raised in the master's thread, by its watchdog, inside the master's own part of a command
+    when a worker died meanwhile; :meth:`Group.finish_command` turns it into WorkerDiedError.  A
+    BaseException, so that code that retries on ``Exception`` (a backend's fallback) lets it pass."""
+
+
+WATCH_AFTER_S = 0.2
+"""Seconds into the master's own part of a command before its watchdog starts looking."""
+WATCH_EVERY_S = 0.1
+"""Seconds between two looks of the watchdog at the workers."""
+
+
+class _Watchdog:
+    """A daemon thread of the master that notices a worker's death while the master computes its
+    own part of a command (the wait for the workers notices it otherwise, but only once that part
+    ends).
+
+    While a command runs for more than :data:`WATCH_AFTER_S`, it polls the worker processes every
+    :data:`WATCH_EVERY_S`; when one has died, it raises :class:`_WorkerGone` asynchronously in the
+    thread that started the command (``PyThreadState_SetAsyncExc``).  Python delivers it between
+    two bytecodes: at once in Python code (a PyTensor Op's ``perform``, numpy in steps), but only
+    when a long call into compiled code (one XLA program, one BLAS product) returns.  Arming and
+    disarming cost two lock operations on the hot path; a command that ends before
+    :data:`WATCH_AFTER_S` never meets the thread.
+    """
+
+    def __init__(self, group: Group) -> None:
+        self._procs = list(group._procs.values())
+        self._lock = threading.Lock()
+        self._armed_at = 0.0  # monotonic time of arm(); 0 while disarmed
+        self._thread_id = 0
+        self._fired = False
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch, name="synk-watchdog", daemon=True).start()
+
+    def arm(self) -> None:
+        """The master's own part of a command starts (in this thread)."""
+        self._thread_id = threading.get_ident()
+        self._armed_at = time.monotonic()
+
+    def disarm(self) -> bool:
+        """The master's part ended: True if the watchdog fired (a worker died); then any exception
+        it raised and Python has not yet delivered is withdrawn (the caller raises instead)."""
+        with self._lock:
+            self._armed_at = 0.0
+            fired, self._fired = self._fired, False
+        if fired:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), None)
+        return fired
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(WATCH_EVERY_S):
+            armed_at = self._armed_at
+            if not armed_at or time.monotonic() - armed_at < WATCH_AFTER_S:
+                continue
+            if all(proc.poll() is None for proc in self._procs):
+                continue
+            with self._lock:
+                if self._armed_at == armed_at and not self._fired:  # still the same command
+                    self._fired = True
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id),
+                                                               ctypes.py_object(_WorkerGone))
 
 
 # --- starting a group ---------------------------------------------------------------------------
@@ -669,6 +750,8 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
         if not group.closed:
             group._shutdown(timeout=5.0)
         raise
+    if group._procs:
+        group._watchdog = _Watchdog(group)
     log.info("synk_comm: %d ranks ready in %.2f s (master rank %d, pid %d)", size, time.monotonic() - t0,
              master_rank, os.getpid())
     _register_exit(group)
