@@ -270,7 +270,7 @@ def _call_killing_rank_1(run: Run, seconds: float, after: float = 0.3
 @pytest.mark.reliability("fault", SY)
 def test_worker_killed_during_a_call(run, request):
     """Every rank computes for 1.5 s; rank 1 is killed 0.3 s in: the call fails within 2 s of the
-    kill (the master notices when its own share is done, then at once)."""
+    kill (the master's watchdog interrupts its own share)."""
     info, killed_at = _call_killing_rank_1(run, seconds=1.5)
     record(request, time.monotonic() - killed_at)
     assert_dead_group(run, info)
