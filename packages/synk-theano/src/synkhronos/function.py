@@ -192,19 +192,18 @@ class Function:
         shares[rt.rank] = own
         ordered = [shares[r] for r in range(rt.size)]
         weights = [float(s[0]) for s in ordered]
-        ops = self._replica.output_ops(plan.subset)
-
-        def result(i: int, op: str) -> Any:
+        results = []
+        for i, op in enumerate(self._replica.output_ops(plan.subset)):
             if plan.device_outputs >> i & 1 and len(own) > 1 + i:
-                return own[1 + i]
+                results.append(own[1 + i])
+                continue
             values = [s[1 + i] if len(s) > 1 else _EMPTY for s in ordered]
             out = combine(op, values, weights, what=f"output {i}")
             # a lone part may be returned as it is: a worker's is a view of its buffer
-            return out.copy() if any(out is v for r, v in enumerate(values) if r != rt.rank) else out
-
-        results = [result(i, op) for i, op in enumerate(ops)]
-        self._output_nbytes[plan.subset] = [r.nbytes // (rt.size if op == "gather" else 1)
-                                            for r, op in zip(results, ops)]
+            results.append(out.copy() if any(out is v for r, v in enumerate(values) if r != rt.rank) else out)
+        if rt.device.use_gpu:  # the sizes that outputs.choose reads (GPU mode only)
+            self._output_nbytes[plan.subset] = [r.nbytes // (rt.size if op == "gather" else 1)
+                                                for r, op in zip(results, self._replica.output_ops(plan.subset))]
         return self._shape(results, plan)
 
     def _shape(self, results: list[Any], plan: calls.CallPlan) -> Any:

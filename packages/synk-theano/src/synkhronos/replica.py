@@ -255,19 +255,12 @@ def _declared(values: list[Any], variables: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _declared_dtype(var: Any) -> np.dtype[Any] | None:
-    """``var``'s dtype as a numpy dtype (None for a non-array type), from a cache: comparing a
-    value's dtype with a dtype name parses the name every time (a call's hot path)."""
-    name = getattr(var.type, "dtype", None)
-    if name is None:
-        return None
-    dtype = _DTYPES.get(name)
-    if dtype is None:
-        dtype = _DTYPES[name] = np.dtype(name)
-    return dtype
-
-
-_DTYPES: dict[str, np.dtype[Any]] = {}
+def _declared_dtype(var: Any) -> Any:
+    """``var``'s dtype (None for a non-array type): a numpy dtype where the type has one (a
+    tensor's), since comparing a value's dtype with a dtype name parses the name every time."""
+    vtype = var.type
+    dtype = getattr(vtype, "numpy_dtype", None)
+    return getattr(vtype, "dtype", None) if dtype is None else dtype
 
 
 def _subrows(rows: Any, lo: int, hi: int) -> Any:
