@@ -285,7 +285,7 @@ class Group:
     def finish_command(self, master_exc: BaseException | None) -> None:
         """The second half of :meth:`command`: wait for every worker; raise ``master_exc`` (the
         master's own failure, if any) or the workers' errors."""
-        if self._watchdog is not None and self._watchdog.disarm() or isinstance(master_exc, _WorkerGone):
+        if (self._watchdog is not None and self._watchdog.disarm()) or isinstance(master_exc, _WorkerGone):
             # the watchdog found a dead worker while the master computed its own part
             self._check_workers()  # raises WorkerDiedError, the group closed
             raise RuntimeError("synk_comm: a worker was seen dead during this command but has a live "

@@ -37,7 +37,7 @@ OUTPUT_OPS = ("avg", "sum", "prod", "max", "min", "gather")
 UPDATE_OPS = ("avg", "sum", "prod", "max", "min")
 
 
-NUMPY_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+NUMPY_OPS: dict[str, Any] = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 def check_op(op: Any, what: str, allowed: Sequence[str] = OUTPUT_OPS) -> str:
     """Normalise a reduce op name (``None`` -> ``"gather"``); ValueError names the choices."""
