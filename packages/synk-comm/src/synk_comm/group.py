@@ -427,7 +427,8 @@ class Group:
                 status = ERROR
                 self._report(exc)
                 header[ABORT] = self.rank + 1
-            row["status"] = status
+            if status != OK:  # OK stays OK: the master resets every status after a failed command
+                row["status"] = status
             self.sems.done.release()
 
     def _report(self, exc: BaseException) -> None:
