@@ -98,6 +98,7 @@ def one(n: int, calls: int) -> dict[str, float]:
     out = {k: statistics.median(v) / 1e3 for k, v in marks.items()}
     out["total"] = statistics.median(totals) / 1e3
     out["total_p90"] = float(np.percentile(totals, 90)) / 1e3
+    out["total_mean"] = float(np.mean(totals)) / 1e3
     out["plain_jax"] = statistics.median(plains) / 1e3
     # workers: stamps are (wait entered, wait left) pairs; wait left number k = start of command k
     wake, work = [], []
@@ -135,7 +136,7 @@ def main() -> None:
         print("RESULT " + json.dumps(one(args.one, args.calls)), flush=True)
         return
     print(f"{os.cpu_count()} CPUs, affinity {len(os.sched_getaffinity(0))}", flush=True)
-    keys = ["total", "total_p90", "plain_jax", "prepare", "own", "jax", "collect", "gather", "wake", "work"]
+    keys = ["total", "total_p90", "total_mean", "plain_jax", "prepare", "own", "jax", "collect", "gather", "wake", "work"]
     print("| config | ranks | " + " | ".join(keys) + " |")
     print("|---|---:|" + "---:|" * len(keys), flush=True)
     for config in args.configs:

@@ -118,6 +118,8 @@ def _combine_host(op: str, values: Sequence[Any], weights: Sequence[float], what
         dtype = first.dtype if first.dtype.kind in "fc" else np.dtype(np.float64)
         total = sum(kept)
         scale = np.array([w / total for w in kept], dtype=dtype)
+        if not shape:  # scalars (a loss, an accuracy): one dot product
+            return np.asarray(stacked @ scale, dtype=dtype)
         return np.asarray((scale @ stacked.reshape(len(kept), -1)).reshape(shape), dtype=dtype)
     return np.asarray(NUMPY_OPS[op].reduce(stacked, axis=0), dtype=first.dtype)
 
