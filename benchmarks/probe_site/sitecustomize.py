@@ -17,6 +17,8 @@ if os.environ.get("SYNK_PROBE_DIR"):
         import jax
 
         jax.config.update("jax_cpu_enable_async_dispatch", False)
+    if os.environ.get("SYNK_PROBE_TIGHT_US"):
+        _lockstep.TIGHT_S = float(os.environ["SYNK_PROBE_TIGHT_US"]) * 1e-6
     if os.environ.get("SYNK_PROBE_YIELD") == "0":
         _lockstep.sched_yield = lambda: None  # type: ignore[assignment]
     _stamps: list[int] = []
