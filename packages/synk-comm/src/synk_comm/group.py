@@ -191,6 +191,7 @@ class Group:
                 self._fail_dead(r, proc)
 
     def _fail_dead(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        self._stop_watchdog()  # first: its exception must not land inside the shutdown below
         detail = ""
         if int(self.control.rows[rank]["status"]) == ERROR:
             err = self._read_error(rank)
@@ -204,6 +205,7 @@ class Group:
     def _fail_stuck(self) -> None:
         """A worker failed and the others did not finish within :attr:`abort_grace_s`: stop the group
         and raise the failure (the group is closed)."""
+        self._stop_watchdog()
         errors = self._take_errors()
         self._broken = ("a worker failed during a command while the others could not finish it; the group "
                         "is closed: start a new one")
@@ -513,6 +515,12 @@ class Group:
             self._release_resources(unlink=False)
         self._closed = True
 
+    def _stop_watchdog(self) -> None:
+        """The group is closing: the watchdog stops, and an exception it raised that Python has not
+        delivered yet is withdrawn."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+
     def _unpin(self) -> None:
         """Give the master's threads the cores they had before :func:`start` pinned them."""
         if self._affinity is not None:
@@ -521,8 +529,7 @@ class Group:
 
     def _shutdown(self, timeout: float) -> None:
         """Tell every worker to exit (after aborting whatever it is doing), join, clean up."""
-        if self._watchdog is not None:
-            self._watchdog.stop()
+        self._stop_watchdog()
         if self._procs:
             header = self.control.header
             header[ABORT] = self.rank + 1  # a worker inside a command leaves its barriers...
@@ -635,6 +642,8 @@ class _Watchdog:
         return fired
 
     def stop(self) -> None:
+        """For good (the group closes): disarmed, and the thread ends."""
+        self.disarm()
         self._stopped.set()
 
     def _watch(self) -> None:
