@@ -138,7 +138,8 @@ def main() -> None:
         print("RESULT " + json.dumps(one(args.one, args.calls)), flush=True)
         return
     print(f"{os.cpu_count()} CPUs, affinity {len(os.sched_getaffinity(0))}", flush=True)
-    keys = ["total", "total_p90", "total_mean", "plain_jax", "prepare", "own", "jax", "collect", "gather", "wake", "work"]
+    keys = ["total", "total_p90", "total_mean", "plain_jax", "prepare", "own", "jax", "collect", "gather", "wake",
+            "work"]
     print("| config | ranks | " + " | ".join(keys) + " |")
     print("|---|---:|" + "---:|" * len(keys), flush=True)
     for config in args.configs:
