@@ -33,8 +33,10 @@ import time
 from typing import Any
 
 import numpy as np
+from models import mlp  # the benchmarks' MLP builder (this folder)
 
 D, H, L, C = 1024, 1024, 3, 10
+WIDTHS = [D] + [H] * L + [C]
 BATCH = 4096
 STEPS = 10
 WARMUP = 3
@@ -43,23 +45,6 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NU
 
 
 # -- the configurations (each runs in its own interpreter) -----------------------------------------
-def _mlp(x: Any, y: Any, rng: np.random.Generator) -> tuple[Any, list[Any]]:
-    import pytensor
-    import pytensor.tensor as pt
-
-    dims = [D] + [H] * L + [C]
-    ws = [pytensor.shared((rng.standard_normal((a, b)) / np.sqrt(a)).astype("float32"), name=f"w{i}")
-          for i, (a, b) in enumerate(itertools.pairwise(dims))]
-    bs = [pytensor.shared(np.zeros(b, dtype="float32"), name=f"b{i}") for i, b in enumerate(dims[1:])]
-    h = x
-    for i, (w, b) in enumerate(zip(ws, bs)):
-        h = h @ w + b
-        if i < len(ws) - 1:
-            h = pt.tanh(h)
-    logp = pt.special.log_softmax(h, axis=1)
-    return -pt.mean(logp[pt.arange(y.shape[0]), y]), ws + bs
-
-
 def _timed(step: Any) -> float:
     for _ in range(WARMUP):
         step()
@@ -80,7 +65,7 @@ def plain_step(mode: str) -> float:
         backport_jax_arange()
     rng = np.random.default_rng(0)
     x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
-    loss, params = _mlp(x, y, rng)
+    loss, params = mlp(x, y, rng, WIDTHS)
     grads = pytensor.grad(loss, params)
     f = pytensor.function([x, y], loss, updates=[(p, p - np.float32(1e-3) * g) for p, g in zip(params, grads)],
                           mode=mode)
@@ -100,7 +85,7 @@ def synk_step(n: int) -> float:
     rng = np.random.default_rng(0)
     xs = pytensor.shared(np.zeros((0, D), dtype="float32"), name="xs")
     ys = pytensor.shared(np.zeros(0, dtype="int32"), name="ys")
-    loss, params = _mlp(xs, ys, rng)
+    loss, params = mlp(xs, ys, rng, WIDTHS)
     train = make_train_function(loss, params, [], updates.sgd, sliceable_shareds=[xs, ys], learning_rate=1e-3)
     synk.scatter([xs, ys], [synk.data(rng.standard_normal((BATCH, D)).astype("float32")),
                             synk.data(rng.integers(0, C, BATCH).astype("int32"))])
@@ -155,7 +140,7 @@ def _ddp_worker(rank: int, n: int, port: int, queue: Any) -> None:
     torch.manual_seed(0)
     if n > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
-    dims = [D] + [H] * L + [C]
+    dims = WIDTHS
     layers: list[Any] = []
     for i, (a, b) in enumerate(itertools.pairwise(dims)):
         layers.append(nn.Linear(a, b))

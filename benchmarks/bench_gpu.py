@@ -19,7 +19,6 @@ Prints markdown tables and writes ``$OUT/bench_gpu.json`` (and the PNG).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import statistics
@@ -28,6 +27,7 @@ import time
 from typing import Any
 
 import numpy as np
+from models import mlp  # the benchmarks' MLP builder (this folder)
 
 OUT = os.environ.get("OUT", "/tmp")
 PRECISION_ENV = "JAX_DEFAULT_MATMUL_PRECISION"
@@ -35,6 +35,8 @@ PRECISION_ENV = "JAX_DEFAULT_MATMUL_PRECISION"
 the strict float32 table; unset, matmuls run in TF32 on Hopper (JAX's and our DDP rows' default)."""
 USE_GPU = os.environ.get("SYNK_BENCH_CPU") != "1"  # SYNK_BENCH_CPU=1: a dry run of the code on CPU workers
 D, H, L, C = 1024, 4096, 4, 10
+WIDTHS = [D] + [H] * L + [C]
+"""The DDP anchor's MLP (:func:`models.mlp`)."""
 
 
 def gpu_count() -> int:
@@ -101,24 +103,6 @@ def raw_nccl(group, nbytes: int, iters: int = 20) -> float:
 
 # --- 2. training step ------------------------------------------------------------------------
 
-def mlp(xs, ys, rng):
-    """The DDP anchor's MLP on inputs ``xs``/``ys``: (loss, params)."""
-    import pytensor
-    import pytensor.tensor as pt
-
-    dims = [D] + [H] * L + [C]
-    ws = [pytensor.shared((rng.standard_normal((a, b)) / np.sqrt(a)).astype("float32"), name=f"w{i}")
-          for i, (a, b) in enumerate(itertools.pairwise(dims))]
-    bs = [pytensor.shared(np.zeros(b, dtype="float32"), name=f"b{i}") for i, b in enumerate(dims[1:])]
-    h = xs
-    for i, (w, b) in enumerate(zip(ws, bs)):
-        h = h @ w + b
-        if i < len(ws) - 1:
-            h = pt.tanh(h)
-    logp = pt.special.log_softmax(h, axis=1)
-    return -pt.mean(logp[pt.arange(ys.shape[0]), ys]), ws + bs
-
-
 def peak_gpu_bytes() -> int:
     import jax
 
@@ -138,7 +122,7 @@ def synk_training(n: int, scattered: int) -> tuple[Any, list[Any]]:
     rng = np.random.default_rng(0)
     xs = pytensor.shared(np.zeros((0, D), dtype="float32"), name="xs")
     ys = pytensor.shared(np.zeros(0, dtype="int32"), name="ys")
-    loss, params = mlp(xs, ys, rng)
+    loss, params = mlp(xs, ys, rng, WIDTHS)
     train = make_train_function(loss, params, [], updates.sgd, sliceable_shareds=[xs, ys], learning_rate=1e-3)
     synk.scatter([xs, ys], [synk.data(rng.standard_normal((scattered, D)).astype("float32")),
                             synk.data(rng.integers(0, C, scattered).astype("int32"))])
@@ -229,7 +213,7 @@ def plain_worker(batches: list[int], steps: int = 20) -> dict[int, float]:
 
     rng = np.random.default_rng(0)
     x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
-    loss, params = mlp(x, y, rng)
+    loss, params = mlp(x, y, rng, WIDTHS)
     grads = pytensor.grad(loss, params)
     f = pytensor.function([x, y], loss, updates=[(p, p - np.float32(1e-3) * g) for p, g in zip(params, grads)],
                           mode="JAX")

@@ -17,7 +17,7 @@ import os
 import time
 
 import numpy as np
-from bench_gpu import C, D, mlp, synk_training  # the same MLP and step as the benchmark (one folder)
+from bench_gpu import WIDTHS, C, D, mlp, synk_training  # the same MLP and step as the benchmark (one folder)
 
 
 def build(batch: int):
@@ -28,7 +28,7 @@ def build(batch: int):
     dev = jax.devices()[0]
     rng = np.random.default_rng(0)
     x, y = pt.matrix("x"), pt.ivector("y")
-    loss, params = mlp(x, y, rng)
+    loss, params = mlp(x, y, rng, WIDTHS)
     grads = pytensor.grad(loss, params)
     flat_g = pt.concatenate([g.flatten() for g in grads])
     sizes = [int(np.prod(p.get_value().shape)) for p in params]

@@ -252,6 +252,37 @@ def test_worker_killed_while_master_waits_at_barrier():
         g.close()
 
 
+@pytest.mark.timeout(20)
+def test_worker_killed_while_master_computes_its_own_part():
+    """The master's own part runs Python for 10 s (no wait on the group): its watchdog ends it
+    with WorkerDiedError within about a second of the worker's death."""
+    g = fresh(2)
+    try:
+        pids = g.run("pids")
+        killer = threading.Timer(0.3, os.kill, (pids[1], signal.SIGKILL))
+        with pytest.raises(WorkerDiedError) as info, g.command("sleep", 30.0):
+            t0 = time.monotonic()
+            killer.start()
+            while time.monotonic() - t0 < 10.0:  # the master's share: Python code, no group call
+                sum(range(1000))
+        assert time.monotonic() - t0 < 0.3 + 1.5
+        assert info.value.rank == 1
+        assert g.closed
+        assert wait_gone(pids[1:], 5.0) == []
+        killer.join()
+        g2 = fresh(2)  # the next group is not interrupted by the last one's watchdog
+        try:
+            t1 = time.monotonic()
+            with g2.command("sleep", 0.0):
+                while time.monotonic() - t1 < 0.5:
+                    sum(range(1000))
+            assert_usable(g2)
+        finally:
+            g2.close()
+    finally:
+        g.close()
+
+
 # --- a dead master --------------------------------------------------------------------------------
 
 MASTER_SCRIPT = textwrap.dedent("""\

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import importlib
 import logging
 import os
@@ -29,6 +30,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -138,6 +140,7 @@ class Group:
         else:
             self.control = ControlBlock.attach(f"{prefix}ctl", size, scratch_size)
         self.sems = Semaphores(prefix, size, create=create)
+        self._go_workers = [self.sems.go[r] for r in range(size) if r != master_rank]
         self.buffers = Buffers(self.control, prefix, rank, size)
         self.scratch = self.control.scratch
         self._status = self.control.rows["status"]  # int64 view: one status per rank
@@ -159,6 +162,7 @@ class Group:
         self.watch: Callable[[], None] | None = None
         """In the master: called between two polls of every wait on the workers (it may raise to
         stop waiting); :mod:`synk_comm.net` watches the other hosts with it."""
+        self._watchdog: _Watchdog | None = None  # the master's, made by start()
         self.abort_grace_s: float | None = None
         """Seconds the master waits, once a worker has reported an error during a command, for the
         other workers to finish it; then it counts them as stuck (inside a collective that can no
@@ -203,6 +207,7 @@ class Group:
             self.watch()
 
     def _fail_dead(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        self._stop_watchdog()  # first: its exception must not land inside the shutdown below
         detail = ""
         if int(self.control.rows[rank]["status"]) == ERROR:
             err = self._read_error(rank)
@@ -216,6 +221,7 @@ class Group:
     def _fail_stuck(self) -> None:
         """A worker failed and the others did not finish within :attr:`abort_grace_s`: stop the group
         and raise the failure (the group is closed)."""
+        self._stop_watchdog()
         errors = self._take_errors()
         self._broken = ("a worker failed during a command while the others could not finish it; the group "
                         "is closed: start a new one")
@@ -247,7 +253,8 @@ class Group:
 
         ``payload`` (any picklable object, or None for the hot path) reaches each worker's
         handler.  On exit the master waits for every worker; a worker's exception is raised here
-        as :class:`WorkerError`, after which the group is usable again.
+        as :class:`WorkerError`, after which the group is usable again.  The same as
+        :meth:`start_command`, the body, then :meth:`finish_command`.
 
         Raises
         ------
@@ -258,6 +265,18 @@ class Group:
         ValueError
             If no handler is registered under ``name``.
         """
+        self.start_command(name, payload)
+        try:
+            yield
+        except BaseException as exc:
+            self.finish_command(exc)
+            raise  # pragma: no cover - finish_command raised it
+        self.finish_command(None)
+
+    def start_command(self, name: str, payload: Any = None) -> None:
+        """The first half of :meth:`command` (for hot paths that avoid a context manager): the
+        workers start command ``name``; the caller must call :meth:`finish_command` next, with
+        the exception its own part raised or None."""
         self._require_master()
         self._require_usable()
         self._settle()
@@ -276,20 +295,26 @@ class Group:
         header[CMD] = cmd
         self._buffer_turn = 0
         self._pending = len(self.workers)
-        for r in self.workers:
-            self.sems.go[r].release()
-        master_exc: BaseException | None = None
-        try:
-            yield
-        except BaseException as exc:
-            master_exc = exc
-            if not isinstance(exc, GroupAborted):
-                header[ABORT] = self.rank + 1
-        if isinstance(master_exc, KeyboardInterrupt) or self._closed:
-            # KeyboardInterrupt: the workers' completions are collected before the next command.
-            # Closed: a worker died and the group shut down; nothing is left to collect.
-            assert master_exc is not None
-            raise master_exc
+        for sem in self._go_workers:
+            sem.release()
+        if self._watchdog is not None:
+            self._watchdog.arm()
+
+    def finish_command(self, master_exc: BaseException | None) -> None:
+        """The second half of :meth:`command`: wait for every worker; raise ``master_exc`` (the
+        master's own failure, if any) or the workers' errors."""
+        if (self._watchdog is not None and self._watchdog.disarm()) or isinstance(master_exc, _WorkerGone):
+            # the watchdog found a dead worker while the master computed its own part
+            self._check_workers()  # raises WorkerDiedError, the group closed
+            raise RuntimeError("synk_comm: a worker was seen dead during this command but has a live "
+                               "process now; the group is in an unknown state: start a new one")
+        if master_exc is not None:
+            if self._closed:  # a worker died and the group shut down: nothing is left to collect
+                raise master_exc
+            if not isinstance(master_exc, GroupAborted):
+                self.control.header[ABORT] = self.rank + 1
+            if isinstance(master_exc, KeyboardInterrupt):
+                raise master_exc  # the workers' completions are collected before the next command
         self._finish(master_exc)
 
     def reply(self, arrays: Sequence[np.ndarray]) -> None:
@@ -300,9 +325,13 @@ class Group:
         """
         self.buffers.publish(MAILBOX, [np.asarray(a) for a in arrays])
 
-    def replies(self) -> dict[int, list[np.ndarray]]:
-        """In the master, after a command: each worker's :meth:`reply` (copies), by rank."""
-        return {r: [v.copy() for v in self.buffers.read(r, MAILBOX)] for r in self.workers}
+    def replies(self, copy: bool = True) -> dict[int, list[np.ndarray]]:
+        """In the master, after a command: each worker's :meth:`reply`, by rank: copies, or with
+        ``copy=False`` views of the workers' buffers, valid until the next command."""
+        read = self.buffers.read
+        if not copy:
+            return {r: read(r, MAILBOX) for r in self.workers}
+        return {r: [v.copy() for v in read(r, MAILBOX)] for r in self.workers}
 
     def run(self, name: str, payload: Any = None) -> Any:
         """Run handler ``name`` in every rank (master included); returns the master's result."""
@@ -340,8 +369,10 @@ class Group:
 
     def _finish(self, master_exc: BaseException | None) -> None:
         self._collect()
-        errors = self._take_errors()
         header = self.control.header
+        if master_exc is None and not header[ABORT]:
+            return  # no worker failed: a worker sets the abort flag before it reports an error
+        errors = self._take_errors()
         if header[ABORT] or errors:
             self.sems.drain()
             header[ABORT] = 0
@@ -414,7 +445,8 @@ class Group:
                 status = ERROR
                 self._report(exc)
                 header[ABORT] = self.rank + 1
-            row["status"] = status
+            if status != OK:  # OK stays OK: the master resets every status after a failed command
+                row["status"] = status
             self.sems.done.release()
 
     def _report(self, exc: BaseException) -> None:
@@ -511,6 +543,12 @@ class Group:
             self._release_resources(unlink=False)
         self._closed = True
 
+    def _stop_watchdog(self) -> None:
+        """The group is closing: the watchdog stops, and an exception it raised that Python has not
+        delivered yet is withdrawn."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+
     def _unpin(self) -> None:
         """Give the master's threads the cores they had before :func:`start` pinned them."""
         if self._affinity is not None:
@@ -519,6 +557,7 @@ class Group:
 
     def _shutdown(self, timeout: float) -> None:
         """Tell every worker to exit (after aborting whatever it is doing), join, clean up."""
+        self._stop_watchdog()
         if self._procs:
             header = self.control.header
             header[ABORT] = self.rank + 1  # a worker inside a command leaves its barriers...
@@ -576,6 +615,77 @@ def _master_gone(prefix: str) -> None:
     naming.unlink_prefix(run)
     naming.cleanup()
     os._exit(3)
+
+
+# --- the master's watchdog ---------------------------------------------------------------------
+
+class _WorkerGone(BaseException):
+    """Raised in the master's thread, by its watchdog, inside the master's own part of a command
+    when a worker died meanwhile; :meth:`Group.finish_command` turns it into WorkerDiedError.  A
+    BaseException, so that code that retries on ``Exception`` (a backend's fallback) lets it pass."""
+
+
+WATCH_AFTER_S = 0.2
+"""Seconds into the master's own part of a command before its watchdog starts looking."""
+WATCH_EVERY_S = 0.1
+"""Seconds between two looks of the watchdog at the workers."""
+
+
+class _Watchdog:
+    """A daemon thread of the master that notices a worker's death while the master computes its
+    own part of a command (the wait for the workers notices it otherwise, but only once that part
+    ends).
+
+    While a command runs for more than :data:`WATCH_AFTER_S`, it polls the worker processes every
+    :data:`WATCH_EVERY_S`; when one has died, it raises :class:`_WorkerGone` asynchronously in the
+    thread that started the command (``PyThreadState_SetAsyncExc``).  Python delivers it between
+    two bytecodes: at once in Python code (a PyTensor Op's ``perform``, numpy in steps), but only
+    when a long call into compiled code (one XLA program, one BLAS product) returns.  Arming and
+    disarming cost two lock operations on the hot path; a command that ends before
+    :data:`WATCH_AFTER_S` never meets the thread.
+    """
+
+    def __init__(self, group: Group) -> None:
+        self._procs = list(group._procs.values())
+        self._lock = threading.Lock()
+        self._armed_at = 0.0  # monotonic time of arm(); 0 while disarmed
+        self._thread_id = 0
+        self._fired = False
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch, name="synk-watchdog", daemon=True).start()
+
+    def arm(self) -> None:
+        """The master's own part of a command starts (in this thread)."""
+        self._thread_id = threading.get_ident()
+        self._armed_at = time.monotonic()
+
+    def disarm(self) -> bool:
+        """The master's part ended: True if the watchdog fired (a worker died); then any exception
+        it raised and Python has not yet delivered is withdrawn (the caller raises instead)."""
+        with self._lock:
+            self._armed_at = 0.0
+            fired, self._fired = self._fired, False
+        if fired:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), None)
+        return fired
+
+    def stop(self) -> None:
+        """For good (the group closes): disarmed, and the thread ends."""
+        self.disarm()
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(WATCH_EVERY_S):
+            armed_at = self._armed_at
+            if not armed_at or time.monotonic() - armed_at < WATCH_AFTER_S:
+                continue
+            if all(proc.poll() is None for proc in self._procs):
+                continue
+            with self._lock:
+                if self._armed_at == armed_at and not self._fired:  # still the same command
+                    self._fired = True
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id),
+                                                               ctypes.py_object(_WorkerGone))
 
 
 # --- starting a group ---------------------------------------------------------------------------
@@ -678,6 +788,8 @@ def start(size: int, *, imports: Sequence[str] = (), master_rank: int = 0,
         if not group.closed:
             group._shutdown(timeout=5.0)
         raise
+    if group._procs:
+        group._watchdog = _Watchdog(group)
     log.info("synk_comm: %d ranks ready in %.2f s (master rank %d, pid %d)", size, time.monotonic() - t0,
              master_rank, os.getpid())
     _register_exit(group)

@@ -117,16 +117,24 @@ Groups with more ranks than cores never spin (a spinning rank would hold the cor
 waits for)."""
 
 
+TIGHT_S = 50e-6
+"""Seconds of a wait's polling that do not yield the core between polls: a yield is a system call
+(about a microsecond on a virtual machine) that a wait of a few microseconds does not need."""
+
+
 def wait(sem: posix_ipc.Semaphore, check: Callable[[], None], timeout: float | None = None,
          what: str = "", spin: float = SPIN_S) -> None:
     """Take ``sem``, calling ``check()`` every :data:`POLL_S` seconds while it is not available.
 
     ``check`` raises to stop waiting (a dead peer, an abort).  ``timeout`` (seconds) bounds the
-    whole wait with a TimeoutError.  The first ``spin`` seconds poll without sleeping, yielding
-    the core between two polls to any other thread that is ready to run on it.
+    whole wait with a TimeoutError.  The first ``spin`` seconds poll without sleeping: the first
+    :data:`TIGHT_S` of them back to back (the next command of a loop of small calls comes within
+    them), the rest yielding the core between two polls to any other thread that is ready to run
+    on it.
     """
     if spin > 0:
-        spin_end = time.perf_counter() + spin
+        now = time.perf_counter()
+        spin_end, tight_end = now + spin, now + TIGHT_S
         while True:
             if sem.value > 0:
                 try:
@@ -134,11 +142,13 @@ def wait(sem: posix_ipc.Semaphore, check: Callable[[], None], timeout: float | N
                     return
                 except posix_ipc.BusyError:
                     pass
-            if time.perf_counter() > spin_end:
+            now = time.perf_counter()
+            if now > spin_end:
                 break
-            # Let the process's other threads have the core: a rank pinned to one core still runs
-            # work there while it waits (JAX computes asynchronously on threads of its own).
-            sched_yield()
+            if now > tight_end:
+                # Let the process's other threads have the core: a rank pinned to one core still runs
+                # work there while it waits (JAX computes asynchronously on threads of its own).
+                sched_yield()
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:

@@ -212,7 +212,7 @@ def in_graph_all_reduce_pays(own_mode: bool = False) -> bool:
     With PyTensor's default backend the in-graph all-reduce takes the same shared-memory path as
     the chain's, and one function saves a call and a barrier (``benchmarks/RESULTS.md``).  CPU
     mode's JAX backend compiles a graph with in-graph collectives in the default mode (see
-    :meth:`synkhronos.device.CpuDevice.compile`), which would cost the step JAX's speed: the chain
+    :meth:`synkhronos.device.Device.in_graph_collectives_pay`), which would cost the step JAX's speed: the chain
     keeps both of its functions in JAX.  Under the JAX engine a function is one program over the
     ranks' devices (``jax_funcify(..., synk_axis=...)``), where the in-graph all-reduce is XLA's
     own.  GPU mode's per-rank engine runs it as a host callback (the gradient through host
@@ -224,9 +224,7 @@ def in_graph_all_reduce_pays(own_mode: bool = False) -> bool:
     rt = current()
     if rt is None or rt.size == 1 or rt.engine is not None:
         return True
-    if rt.device.use_gpu:
-        return True
-    return own_mode or not rt.device.computes_in_jax
+    return rt.device.in_graph_collectives_pay(own_mode)  # where the collectives run: the device decides
 
 
 def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any], rule: Rule = _updates.sgd, *,

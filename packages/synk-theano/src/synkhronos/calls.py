@@ -20,6 +20,7 @@ The plan travels through the group's shared int64 scratch slots -- no pickling o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,27 +70,21 @@ class CallPlan:
 
 def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
     """Write ``plan`` into the scratch slots (the caller checked that it fits)."""
-    n_data = len(plan.data_ids)
-    n_sub = -1 if plan.subset is None else len(plan.subset)
-    scratch[:HEADER] = (plan.fid, plan.num_slices, plan.batch_kind, plan.batch_start, plan.bs_kind, n_data, n_sub,
-                        plan.index_did)
-    i = HEADER
-    scratch[i:i + n_data] = plan.data_ids
-    i += n_data
+    head = [plan.fid, plan.num_slices, plan.batch_kind, plan.batch_start, plan.bs_kind, len(plan.data_ids),
+            -1 if plan.subset is None else len(plan.subset), plan.index_did, *plan.data_ids]
     if plan.subset is not None:
-        scratch[i:i + n_sub] = plan.subset
-        i += n_sub
+        head.extend(plan.subset)
+    i = len(head)
+    scratch[:i] = head
     scratch[i:i + 2 * size] = plan.positions.reshape(-1)
-    i += 2 * size
     if plan.bs_kind:
         assert plan.bs is not None
-        scratch[i:i + 3 * size] = plan.bs.reshape(-1)
+        scratch[i + 2 * size:i + 5 * size] = plan.bs.reshape(-1)
 
 
 def decode(scratch: np.ndarray, size: int) -> CallPlan:
     """Read the plan that :func:`encode` wrote."""
-    fid, num_slices, batch_kind, batch_start, bs_kind, n_data, n_sub, index_did = (
-        int(v) for v in scratch[:HEADER])
+    fid, num_slices, batch_kind, batch_start, bs_kind, n_data, n_sub, index_did = scratch[:HEADER].tolist()
     i = HEADER
     data_ids = scratch[i:i + n_data].tolist()
     i += n_data
@@ -148,7 +143,7 @@ def rank_inputs(rt: Runtime, plan: CallPlan) -> tuple[list[np.ndarray], list[Any
     rep = rt.replicas[plan.fid]
     datas = [rt.data[d] for d in plan.data_ids]
     n_in = len(rep.spec.inputs)
-    p0, p1 = (int(v) for v in plan.positions[rt.rank])
+    p0, p1 = plan.positions[rt.rank].tolist()
     scattered: list[np.ndarray] = []
     if n_in:
         index = None
@@ -179,7 +174,7 @@ def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[Any]]:
     rep = rt.replicas[plan.fid]
     spec = rep.spec
     n_in = len(spec.inputs)
-    p0, p1 = (int(v) for v in plan.positions[rt.rank])
+    p0, p1 = plan.positions[rt.rank].tolist()
     scattered, bcast = rank_inputs(rt, plan)
     sliceable_rows, s_rows = _sliceable_rows(rt, rep, plan)
     if n_in:
@@ -237,15 +232,19 @@ def reply(rt: Runtime, plan: CallPlan, weight: float, outputs: Sequence[Any]) ->
     return result
 
 
+@functools.lru_cache(maxsize=64)
 def normalise_positions(total: int, size: int) -> np.ndarray:
     """Even split of ``total`` rows over ``size`` ranks: per rank ``(p0, p1)``; the first
-    ``total % size`` ranks get one row more."""
+    ``total % size`` ranks get one row more.  Read-only (one array per ``(total, size)``, cached:
+    a training loop asks for the same split every call)."""
     base, extra = divmod(total, size)
     bounds, end = [], 0
     for r in range(size):
         start, end = end, end + base + (r < extra)
         bounds.append((start, end))
-    return np.array(bounds, dtype=np.int64)
+    out = np.array(bounds, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 def as_index_array(batch: Sequence[int] | np.ndarray, what: str) -> np.ndarray:

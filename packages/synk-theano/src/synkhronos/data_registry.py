@@ -74,7 +74,7 @@ def check_input(value: Any, var: Any) -> None:
     if not isinstance(value, Data):
         raise TypeError(f"input {describe(var)} needs a synkhronos Data, got {type(value).__name__}: wrap "
                         "the values with synk.data(value) (inputs live in shared memory)")
-    if value.dtype != np.dtype(var.type.dtype):
+    if value.dtype != var.type.numpy_dtype:
         raise TypeError(f"input {describe(var)} has dtype {var.type.dtype}, the Data has {value.dtype}: cast "
                         f"it in synk.data(..., dtype='{var.type.dtype}') or data.set_value(..., force_cast=True)")
     if value.ndim != var.type.ndim:

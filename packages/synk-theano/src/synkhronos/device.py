@@ -44,6 +44,25 @@ class Device:
         ``collectives``: the graph holds in-graph collectives (:mod:`synkhronos.ops`)."""
         return build(**kwargs)
 
+    def collectives_compile_apart(self, own_mode: bool = False) -> bool:
+        """Whether a graph that holds in-graph collectives compiles in another backend than this
+        rank's own (CPU mode's JAX backend: see :meth:`CpuDevice.compile`); ``own_mode``: the
+        function has a ``mode`` of its own, which is always kept.  The one place that decides
+        where in-graph collectives run; :meth:`compile` and :meth:`in_graph_collectives_pay`
+        follow it."""
+        return False
+
+    def in_graph_collectives_pay(self, own_mode: bool = False) -> bool:
+        """Whether a step whose graph holds its collectives (one function) runs as fast as the
+        same step with separate collectives (``synk.chain``): not where such a graph compiles
+        apart from the rank's fast backend (:meth:`collectives_compile_apart`).  On GPUs under the
+        per-rank engine (``engine="ranks"``) both ways move the values through host memory, so the
+        one function (one command) pays.  See
+        :func:`synk_lasagne.training.in_graph_all_reduce_pays`."""
+        if self.use_gpu:
+            return True
+        return not self.collectives_compile_apart(own_mode)
+
     def get(self, var: SharedVariable) -> np.ndarray:
         """The variable's value in this rank, as a numpy array (no copy where possible)."""
         raise NotImplementedError
@@ -122,12 +141,17 @@ class CpuDevice(Device):
         on XLA's threads -- and a rank pinned to one core has one such thread, which a callback
         reading its own arguments can wait on forever (seen: the main job's train step hung after
         about 30 epochs)."""
-        if self.backend != "jax" or kwargs.get("mode") is not None or collectives:
+        own_mode = kwargs.get("mode") is not None
+        if self.backend != "jax" or own_mode or (collectives and self.collectives_compile_apart(own_mode)):
             return build(**kwargs)
         from synkhronos.cpu import JaxOrDefault
 
         return JaxOrDefault(lambda mode: build(**kwargs) if mode is None else build(**kwargs, mode=mode),
                             name or "(unnamed)")
+
+    def collectives_compile_apart(self, own_mode: bool = False) -> bool:
+        """Backend ``"jax"``: PyTensor's default mode, unless the function has a mode of its own."""
+        return self.backend == "jax" and not own_mode
 
     def adopt(self, var: SharedVariable) -> None:
         """Backend ``"jax"``: the master's ``get_value()`` returns numpy, as in PyTensor's default

@@ -168,22 +168,16 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         if backend == "jax":
             env["JAX_PLATFORMS"] = "cpu"  # CPU mode on a machine with GPUs too: XLA's CPU backend
         core_sets = _core_sets(n_parallel)
-        if core_sets is None:  # not pinned: each rank's pools a share of the cores
-            threads = max(1, len(os.sched_getaffinity(0)) // n_parallel)
-            env.update(cores_mod.thread_env(threads))
-        else:  # synk_comm sizes each worker's pools to its own set
-            threads = len(core_sets[master_rank])
+        # not pinned: each rank's pools a share of the cores; pinned: synk_comm sizes each worker's
+        # pools to its own set
+        threads = _shared_threads(n_parallel, env) if core_sets is None else len(core_sets[master_rank])
         device = CpuDevice(backend)
-    if profile_workers:
-        env["SYNK_PROFILE_DIR"] = os.getcwd()
-    scratch = CallPlan.length(max_n_var, 0, n_parallel)  # exactly max_n_var Data ids and output indices
     # GPU ranks have cores to spare: poll longer before sleeping, as a sleeping rank wakes slowly.
     # CPU ranks pinned to cores of their own too: a rank that polls takes no core from another
     # rank, while a rank that slept between two calls wakes tens of microseconds late (and the
     # master wakes the ranks one after the other).
-    spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu or core_sets else 200))
-    group = synk_comm.start(n_parallel, imports=["synkhronos.worker"], master_rank=master_rank,
-                            devices=devices, env=env, scratch_size=scratch, spin_us=spin, cores=core_sets)
+    group = _start_group(n_parallel, n_parallel, master_rank, devices, env, profile_workers, max_n_var,
+                         long_spin=use_gpu or core_sets is not None, cores=core_sets)
     rt = Runtime(group, device)
     rt.max_dim = max_dim
     if not use_gpu and n_parallel > 1:
@@ -222,16 +216,10 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
         devices = [",".join(gpus), *gpus[:n_local]]  # the master keeps what it sees
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX in the master: no GPU hoarding
     else:
-        threads = max(1, len(os.sched_getaffinity(0)) // n_local)
-        env.update(cores_mod.thread_env(threads))
-    if profile_workers:
-        env["SYNK_PROFILE_DIR"] = os.getcwd()
-    scratch = CallPlan.length(max_n_var, 0, n_parallel)
-    spin = float(os.environ.get("SYNK_SPIN_US", 2000 if use_gpu else 200))
+        _shared_threads(n_local, env)
     # Over several hosts (synkhronos.launch): node 0's workers here, the others' through their agents.
-    start: Any = multinode.start_group if spanning else synk_comm.start
-    group = start(n_parallel + 1, imports=["synkhronos.worker"], master_rank=0, devices=devices,
-                  env=env, scratch_size=scratch, spin_us=spin)
+    group = _start_group(n_parallel + 1, n_parallel, 0, devices, env, profile_workers, max_n_var, long_spin=use_gpu,
+                         start=multinode.start_group if spanning else synk_comm.start)
     group.abort_grace_s = launch.ABORT_GRACE_S  # a worker that fails to join leaves the others waiting
     coordinator = multinode.coordinator() if spanning else launch.coordinator_address()
     try:
@@ -241,6 +229,32 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
         raise
     group.abort_grace_s = None  # set per call (synkhronos.engine.master)
     return Runtime(group, HostDevice(use_gpu), engine=Orchestrator())
+
+
+def _shared_threads(n_parallel: int, env: dict[str, Any]) -> int:
+    """Ranks not pinned to cores of their own: each worker's thread pools get an even share of the
+    cores (set in ``env``, unless the environment sets them); returns that share."""
+    threads = max(1, len(os.sched_getaffinity(0)) // n_parallel)
+    env.update(cores_mod.thread_env(threads))
+    return threads
+
+
+def _start_group(size: int, n_parallel: int, master_rank: int, devices: Any, env: dict[str, Any],
+                 profile_workers: bool, max_n_var: int, long_spin: bool,
+                 cores: list[list[int]] | None = None, start: Any = None) -> synk_comm.Group:
+    """:func:`synk_comm.start` with what every engine's workers get at launch: the worker module,
+    ``SYNK_PROFILE_DIR`` (``profile_workers``), the call plan's scratch slots (``max_n_var`` Data
+    ids and output indices over ``n_parallel`` ranks), and the time a waiting rank polls before
+    it sleeps (``SYNK_SPIN_US``, else 2 ms with ``long_spin``, 200 us without).  ``start``: what
+    starts the group (:func:`synk_comm.start`, or over several hosts
+    :func:`synkhronos.multinode.start_group`)."""
+    if profile_workers:
+        env["SYNK_PROFILE_DIR"] = os.getcwd()
+    spin = float(os.environ.get("SYNK_SPIN_US", 2000 if long_spin else 200))
+    kwargs: dict[str, Any] = {"cores": cores} if cores is not None else {}
+    return (start or synk_comm.start)(size, imports=["synkhronos.worker"], master_rank=master_rank, devices=devices,
+                                      env=env, scratch_size=CallPlan.length(max_n_var, 0, n_parallel), spin_us=spin,
+                                      **kwargs)
 
 
 def _core_sets(n_parallel: int) -> list[list[int]] | None:

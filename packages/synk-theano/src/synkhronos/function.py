@@ -23,6 +23,7 @@ import numpy as np
 from synk_comm import WorkerError
 from synk_shm import Data
 from synkhronos import calls, data_registry
+from synkhronos.distribution import ensure_distributed
 from synkhronos.engine import master as engine_master
 from synkhronos.engine.phases import PHASES
 from synkhronos.reduce_ops import combine
@@ -33,6 +34,7 @@ from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
 __all__ = ["Function", "function"]
 
 CALL = "synkhronos.call"
+_EMPTY = np.empty(0)
 
 
 @contextmanager
@@ -42,8 +44,23 @@ def _selection_errors() -> Iterator[None]:
     try:
         yield
     except WorkerError as exc:
-        if all(e.type_name == "SelectionError" for e in exc.errors):
-            raise calls.SelectionError("; ".join(e.message for e in exc.errors)) from None
+        _raise_selection_error(exc)
+        raise
+
+
+def _raise_selection_error(exc: WorkerError) -> None:
+    """Raise one :class:`~synkhronos.calls.SelectionError` where every failing rank found a bad
+    ``batch_s`` selection (else return: the caller raises ``exc``)."""
+    if all(e.type_name == "SelectionError" for e in exc.errors):
+        raise calls.SelectionError("; ".join(e.message for e in exc.errors)) from None
+
+
+def _finish_call(rt: Runtime, own_exc: BaseException | None) -> None:
+    """End a call's command (:meth:`synk_comm.Group.finish_command`), a selection error as one."""
+    try:
+        rt.group.finish_command(own_exc)
+    except WorkerError as exc:
+        _raise_selection_error(exc)
         raise
 
 
@@ -137,8 +154,13 @@ class Function:
             return self._engine_call(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
         subset = self._subset(output_subset)
         plan = self._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices)
-        with _selection_errors(), rt.group.command(CALL):
+        rt.group.start_command(CALL)  # the hot path: no context managers
+        try:
             own = calls.share(rt, plan)
+        except BaseException as exc:
+            _finish_call(rt, exc)
+            raise  # pragma: no cover - _finish_call raised
+        _finish_call(rt, None)
         return self._gather(rt, own, plan)
 
     def _engine_call(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any,
@@ -158,8 +180,6 @@ class Function:
             known = self._engine_plans.get(key)
             if known is not None and known[0]() is rt and not rt.dropped and self._still(rt, known[1]):
                 self._require_current(rt)
-                from synkhronos.distribution import ensure_distributed
-
                 ensure_distributed(rt)
                 plan, slots = known[2], known[3]
                 rt.group.scratch[:len(slots)] = slots
@@ -194,8 +214,6 @@ class Function:
         if not rt.is_master:
             raise RuntimeError("synkhronos functions are called in the master only")
         self._require_current(rt)
-        from synkhronos.distribution import ensure_distributed
-
         ensure_distributed(rt)
         data_registry.flush_dropped(rt)
         datas = self._bind(args, kwargs)
@@ -215,14 +233,16 @@ class Function:
 
     def _gather(self, rt: Runtime, own: list[np.ndarray], plan: calls.CallPlan) -> Any:
         """The combined outputs, from the master's share and the workers' replies."""
-        shares = rt.group.replies()
+        shares = rt.group.replies(copy=False)  # views: combined into new arrays below
         shares[rt.rank] = own
         ordered = [shares[r] for r in range(rt.size)]
         weights = [float(s[0]) for s in ordered]
-        ops = self._replica.output_ops(plan.subset)
-
-        results = [combine(op, [s[1 + i] if len(s) > 1 else np.empty(0) for s in ordered], weights,
-                           what=f"output {i}") for i, op in enumerate(ops)]
+        results = []
+        for i, op in enumerate(self._replica.output_ops(plan.subset)):
+            values = [s[1 + i] if len(s) > 1 else _EMPTY for s in ordered]
+            out = combine(op, values, weights, what=f"output {i}")
+            # a lone part may be returned as it is: a worker's is a view of its buffer
+            results.append(out.copy() if any(out is v for r, v in enumerate(values) if r != rt.rank) else out)
         return self._shape(results, plan)
 
     def _shape(self, results: list[Any], plan: calls.CallPlan) -> Any:
@@ -340,7 +360,7 @@ class Function:
                 raise TypeError(f"batch must be an int, a slice, or integer indices, got {batch!r}")
             index = calls.as_index_array(batch, "batch")
             total = len(index)
-            if limit is not None and total and (index.max() >= limit or index.min() < -limit):
+            if limit is not None and total and (int(np.max(index)) >= limit or int(np.min(index)) < -limit):
                 bad = index[(index >= limit) | (index < -limit)][:5].tolist()
                 raise ValueError(f"batch indices {bad} out of range for inputs of lengths {lengths}")
             if limit is not None:

@@ -37,6 +37,8 @@ OUTPUT_OPS = ("avg", "sum", "prod", "max", "min", "gather")
 UPDATE_OPS = ("avg", "sum", "prod", "max", "min")
 
 
+NUMPY_OPS: dict[str, Any] = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
 def check_op(op: Any, what: str, allowed: Sequence[str] = OUTPUT_OPS) -> str:
     """Normalise a reduce op name (``None`` -> ``"gather"``); ValueError names the choices."""
     name = "gather" if op is None else op
@@ -70,6 +72,8 @@ def combine(op: str, values: Sequence[Any], weights: Sequence[float], xp: Any = 
     that stay on the GPU.  A single part is returned as it is.  ``what`` names the value in the
     ValueError raised when the parts' shapes differ.
     """
+    if xp is np and op != "gather":
+        return _combine_host(op, values, weights, what)
     parts = [(v if xp is not np else np.asarray(v), w) for v, w in zip(values, weights) if w > 0]
     if not parts:
         raise ValueError("no part computed anything (every rank had 0 rows)")
@@ -82,14 +86,42 @@ def combine(op: str, values: Sequence[Any], weights: Sequence[float], xp: Any = 
     first = parts[0][0]
     if op == "avg":
         total = float(sum(w for _, w in parts))
-        acc = sum(v * (w / total) for v, w in parts)
         dtype = first.dtype if np.dtype(first.dtype).kind in "fc" else np.float64
+        acc = sum(v * (w / total) for v, w in parts)
         return xp.asarray(acc, dtype=dtype)
     binary = {"sum": xp.add, "prod": xp.multiply, "max": xp.maximum, "min": xp.minimum}[op]
     out = first
     for v, _ in parts[1:]:
         out = binary(out, v)
     return xp.asarray(out, dtype=first.dtype)
+
+
+def _combine_host(op: str, values: Sequence[Any], weights: Sequence[float], what: str) -> np.ndarray:
+    """:func:`combine` of numpy values by a reduce op (not gather): one numpy operation over the
+    parts stacked, whatever their number (a call's hot path in the master, one part per rank)."""
+    arrays, kept = [], []
+    for v, w in zip(values, weights):
+        if w > 0:
+            arrays.append(np.asarray(v))
+            kept.append(w)
+    if not arrays:
+        raise ValueError("no part computed anything (every rank had 0 rows)")
+    first = arrays[0]
+    if len(arrays) == 1:
+        return first
+    shape = first.shape
+    for a in arrays:
+        if a.shape != shape:
+            common_shape(op, [a.shape for a in arrays], what)  # raises, naming the shapes
+    stacked = np.array(arrays)
+    if op == "avg":
+        dtype = first.dtype if first.dtype.kind in "fc" else np.dtype(np.float64)
+        total = sum(kept)
+        scale = np.array([w / total for w in kept], dtype=dtype)
+        if not shape:  # scalars (a loss, an accuracy): one dot product
+            return np.asarray(stacked @ scale, dtype=dtype)
+        return np.asarray((scale @ stacked.reshape(len(kept), -1)).reshape(shape), dtype=dtype)
+    return np.asarray(NUMPY_OPS[op].reduce(stacked, axis=0), dtype=first.dtype)
 
 
 def identity(op: str, dtype: Any) -> Any:

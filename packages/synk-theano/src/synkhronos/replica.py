@@ -250,9 +250,17 @@ def _declared(values: list[Any], variables: Sequence[Any]) -> list[Any]:
     in its accumulator dtype (a float32 sum as float64 when jax x64 is on, i.e. under floatX=float64)."""
     out = []
     for value, var in zip(values, variables):
-        dtype = getattr(var.type, "dtype", None)
+        dtype = _declared_dtype(var)
         out.append(value.astype(dtype) if dtype is not None and getattr(value, "dtype", dtype) != dtype else value)
     return out
+
+
+def _declared_dtype(var: Any) -> Any:
+    """``var``'s dtype (None for a non-array type): a numpy dtype where the type has one (a
+    tensor's), since comparing a value's dtype with a dtype name parses the name every time."""
+    vtype = var.type
+    dtype = getattr(vtype, "numpy_dtype", None)
+    return getattr(vtype, "dtype", None) if dtype is None else dtype
 
 
 def _subrows(rows: Any, lo: int, hi: int) -> Any:
