@@ -85,6 +85,18 @@ def test_one_rank_steps_equal_plain_pytensor_over_changing_batches_and_data(one_
         f(xd, yd, lrd, batch=8)
 
 
+def test_a_stepped_slice_batch_reads_its_own_indices_after_a_list_batch(one_rank):
+    # A slice with a step is an index batch: its indices sit in the shared index buffer, which a
+    # list batch in between overwrites, so its checked plan must not be reused as it is.
+    data = np.arange(80.0).reshape(40, 2)
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=(x.sum(axis=0), "sum"))
+    d = synk.data(data)
+    for batch in [slice(2, 30, 3), [3, 1, 4, 1, 5], slice(2, 30, 3), 11, slice(2, 30, 3)]:
+        rows = data[:batch] if isinstance(batch, int) else data[batch]  # an int k: rows [:k]
+        np.testing.assert_allclose(f(d, batch=batch), rows.sum(axis=0))
+
+
 def test_one_rank_windows_subsets_and_no_outputs(one_rank):
     rng = np.random.default_rng(1)
     values = rng.standard_normal((12, 3))

@@ -167,7 +167,8 @@ class Function:
                      batch: Any, batch_s: Any, num_slices: Any) -> Any:
         """A call under the JAX engine.  A call like an earlier one -- the same Data objects, still
         registered and of the same shapes, the same output subset and an int, slice or no ``batch``
-        (without ``batch_s`` or ``num_slices``) -- reuses that call's checked plan: its scratch slots
+        (without ``batch_s`` or ``num_slices``, and not a slice whose step makes it an index batch,
+        whose indices sit in the shared index buffer) -- reuses that call's checked plan: its scratch slots
         are copied back and the call starts (a dict lookup instead of every check and the plan)."""
         key = None
         if not kwargs and batch_s is None and type(num_slices) is int and num_slices == 1 and (
@@ -187,7 +188,8 @@ class Function:
                     return self._shape(engine_master.call(rt, self._replica, plan, known[4]), plan)
         subset = self._subset(output_subset)
         plan = self._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices)
-        if key is not None:
+        # A plan that reads the shared index buffer is not kept: a later call may write other indices there.
+        if key is not None and plan.index_did < 0:
             if len(self._engine_plans) >= 64:
                 self._engine_plans.clear()
             datas = [(did, weakref.ref(rt.data[did]), rt.data[did].shape, rt.data[did].minibatch)
