@@ -11,6 +11,10 @@ Each variant runs in a fresh interpreter (its own GPU memory peak), all in one r
 ``engine_dev``  the same with the data set on the GPU in sliceable shared variables, the batch a
                 ``batch_s`` window read inside the program (compare with ``plain_dev``)
 ``ranks``       ``synk.fork(1, use_gpu=True, engine="ranks")``: the per-rank engine (the master computes)
+``tiny``        the tiny call alone, plain and engine side by side in one process (the master runs
+                plain's function on the GPU between the engine's calls): blocks of calls alternate,
+                so drift on a shared machine hits both sides alike; the medians of the blocks and of
+                the paired differences (the figure of record for the tiny-call goal)
 
 Measured: the benchmark MLP 1024 -> 4 x 4096 (tanh) -> 10, softmax cross-entropy, SGD, float32
 (XLA's default precision: TF32 matmuls on Hopper), ms per step at batch 256 / 8192 / 16384 with
@@ -40,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-VARIANTS = ("plain", "plain_dev", "engine", "engine_dev", "ranks")
+VARIANTS = ("plain", "plain_dev", "engine", "engine_dev", "ranks", "tiny")
 FULL = {"dims": [1024, 4096, 4096, 4096, 4096, 10], "batches": [256, 8192, 16384], "steps": 30, "tiny": 2000}
 DRY = {"dims": [64, 128, 128, 10], "batches": [32, 64], "steps": 5, "tiny": 200}
 
@@ -171,7 +175,39 @@ def run_synk(cfg: dict[str, Any], engine: str, use_gpu: bool, on_device: bool = 
     return out
 
 
-def run_variant(name: str, cfg: dict[str, Any], dry: bool) -> dict[str, float]:
+def run_tiny(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The tiny call of plain PyTensor JAX and of the engine, in blocks that alternate in one process."""
+    import jax
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+
+    synk.fork(1, engine="jax")
+    v = pt.vector("v", dtype="float32")
+    g = synk.function([v], outputs=pt.sum(v))
+    data = synk.data(np.ones(8, "float32"))
+    plain = pytensor.function([v], pt.sum(v), mode="JAX")
+    a = np.ones(8, "float32")
+    sides = {"plain": lambda: np.asarray(plain(a)), "engine": lambda: g(data)}
+    block = max(cfg["tiny"] // 10, 10)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for rep in range(16):  # the first round warms up
+        for name, call in sides.items():
+            t0 = time.perf_counter()
+            for _ in range(block):
+                call()
+            if rep:
+                times[name].append((time.perf_counter() - t0) / block * 1e6)
+    synk.close()
+    diffs = [e - p for e, p in zip(times["engine"], times["plain"])]
+    return {"plain_us": float(np.median(times["plain"])), "engine_us": float(np.median(times["engine"])),
+            "diff_us": float(np.median(diffs)), "plain_device": jax.devices()[0].platform}
+
+
+def run_variant(name: str, cfg: dict[str, Any], dry: bool) -> dict[str, Any]:
+    if name == "tiny":
+        return run_tiny(cfg)
     if name in ("plain", "plain_dev"):
         return run_plain(cfg, on_device=name == "plain_dev")
     return run_synk(cfg, "ranks" if name == "ranks" else "jax", use_gpu=True, on_device=name == "engine_dev")
@@ -220,8 +256,9 @@ def main() -> None:
     report(results, cfg, time.perf_counter() - t0)
 
 
-def report(results: dict[str, list[dict[str, float]]], cfg: dict[str, Any], seconds: float) -> None:
+def report(results: dict[str, list[dict[str, Any]]], cfg: dict[str, Any], seconds: float) -> None:
     keys = [str(b) for b in cfg["batches"]] + ["peak_GiB", "tiny_us"]
+    tiny = results.pop("tiny", [])
     best = {name: {k: min(r[k] for r in rs) for k in keys} for name, rs in results.items()}
     print(f"\nbest of {max(len(r) for r in results.values())} (ms per step at batch "
           f"{' / '.join(map(str, cfg['batches']))}; peak GiB; tiny call us), {seconds:.0f} s in all")
@@ -236,6 +273,9 @@ def report(results: dict[str, list[dict[str, float]]], cfg: dict[str, Any], seco
             peak = e["peak_GiB"] / p["peak_GiB"] if p["peak_GiB"] else float("nan")
             print(f"\n{ours} / {theirs}: step {steps} (goal <= 1.03); peak {peak:.2f}x (goal <= 1.05); "
                   f"tiny call +{e['tiny_us'] - p['tiny_us']:.0f} us (goal <= +100)")
+    for r in tiny:
+        print(f"\ntiny call side by side in one process (plain on {r['plain_device']}): plain {r['plain_us']:.1f} us, "
+              f"engine {r['engine_us']:.1f} us, median paired difference +{r['diff_us']:.1f} us (goal <= +100)")
 
 
 if __name__ == "__main__":

@@ -329,3 +329,30 @@ def test_output_shapes_that_differ_between_ranks_raise(ranks):
     with pytest.raises(ValueError, match="shape"):
         f(uneven)
     np.testing.assert_allclose(f(X), np.full(2, 3.0 * ranks))
+
+
+def test_a_repeated_call_reuses_its_checked_plan_until_a_data_changes(fns, ranks, monkeypatch):
+    # The same Data, batch and subset again: the master reuses the checked plan (Function._known_plan).
+    # New values in place, a longer Data (a new segment), another batch, memory freed: each checked again.
+    xs, y = values(12, seed=7)
+    xd, yd = synk.data(xs), synk.data(y)
+    fns.single._plans.clear()
+    checked = []  # the calls of fns.single that ran every check and made a plan
+    prepare = fns.single._prepare
+    monkeypatch.setattr(fns.single, "_prepare", lambda *a, **k: checked.append(a[4]) or prepare(*a, **k))
+    for batch in [8, 8, slice(2, 11), 8, "in place", 8, "grow", 8, slice(10, 20), slice(10, 20)]:
+        if batch == "in place":
+            xs = xs * 2.0
+            xd.data[:] = xs
+            continue
+        if batch == "grow":
+            xs = np.concatenate([xs, values(10, seed=8)[0]])
+            xd.set_value(xs)
+            continue
+        rows = xs[:batch] if isinstance(batch, int) else xs[batch]
+        np.testing.assert_allclose(fns.single(xd, batch=batch), rows.mean(axis=0), rtol=1e-12)
+        np.testing.assert_allclose(fns.f(xd, yd, batch=batch)[0], (rows @ y).mean(), rtol=1e-12)
+    assert checked == [8, slice(2, 11), 8, slice(10, 20)]  # of 7 calls; after "grow" 8 is checked again
+    xd.free_memory()
+    with pytest.raises(ValueError, match="holds no memory"):
+        fns.single(xd, batch=8)

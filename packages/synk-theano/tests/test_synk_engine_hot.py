@@ -79,7 +79,7 @@ def test_one_rank_steps_equal_plain_pytensor_over_changing_batches_and_data(one_
         np.testing.assert_allclose(got[1], want[1], rtol=1e-10)
     for s, p in zip(shared, pshared):
         np.testing.assert_allclose(s.get_value(), p.get_value(), rtol=1e-10)
-    assert f._engine_plans  # the master reused checked plans
+    assert f._plans  # the master reused checked plans
     xd.free_memory()  # a known plan's Data changed: the call is checked again
     with pytest.raises(ValueError, match="holds no memory"):
         f(xd, yd, lrd, batch=8)

@@ -75,7 +75,7 @@ class Function:
         self._spec = spec
         self._replica = replica
         self._by_name: dict[str, int] = {}
-        self._engine_plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _engine_call
+        self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _known_plan
         for i, var in enumerate(spec.all_inputs):
             if var.name:
                 self._by_name.setdefault(var.name, i)
@@ -150,10 +150,18 @@ class Function:
         if PHASES is not None:
             PHASES.begin()
         rt = get_runtime()
+        key = self._plan_key(args, kwargs, output_subset, batch, batch_s, num_slices)
+        known = None if key is None else self._known_plan(rt, key)
+        if known is not None:
+            plan = known[2]
+        else:
+            plan = self._prepare(rt, args, kwargs, self._subset(output_subset), batch, batch_s, num_slices)
+            if key is not None:
+                known = self._remember(rt, key, plan)
         if rt.engine is not None:
-            return self._engine_call(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
-        subset = self._subset(output_subset)
-        plan = self._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices)
+            with _selection_errors():
+                return self._shape(engine_master.call(rt, self._replica, plan, None if known is None else known[4]),
+                                   plan)
         rt.group.start_command(CALL)  # the hot path: no context managers
         try:
             own = calls.share(rt, plan)
@@ -163,42 +171,52 @@ class Function:
         _finish_call(rt, None)
         return self._gather(rt, own, plan)
 
-    def _engine_call(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any,
-                     batch: Any, batch_s: Any, num_slices: Any) -> Any:
-        """A call under the JAX engine.  A call like an earlier one -- the same Data objects, still
-        registered and of the same shapes, the same output subset and an int, slice or no ``batch``
-        (without ``batch_s`` or ``num_slices``, and not a slice whose step makes it an index batch,
-        whose indices sit in the shared index buffer) -- reuses that call's checked plan: its scratch slots
-        are copied back and the call starts (a dict lookup instead of every check and the plan)."""
-        key = None
-        if not kwargs and batch_s is None and type(num_slices) is int and num_slices == 1 and (
-                batch is None or type(batch) in (int, slice)) and (
-                output_subset is None or (type(output_subset) in (list, tuple)
-                                          and all(type(i) is int for i in output_subset))):
-            subset_key = None if output_subset is None else tuple(output_subset)
-            batch_key = (batch.start, batch.stop, batch.step) if type(batch) is slice else batch
-            key = (subset_key, batch_key, *map(id, args))
-            known = self._engine_plans.get(key)
-            if known is not None and known[0]() is rt and not rt.dropped and self._still(rt, known[1]):
-                self._require_current(rt)
-                ensure_distributed(rt)
-                plan, slots = known[2], known[3]
-                rt.group.scratch[:len(slots)] = slots
-                with _selection_errors():
-                    return self._shape(engine_master.call(rt, self._replica, plan, known[4]), plan)
-        subset = self._subset(output_subset)
-        plan = self._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices)
-        # A plan that reads the shared index buffer is not kept: a later call may write other indices there.
-        if key is not None and plan.index_did < 0:
-            if len(self._engine_plans) >= 64:
-                self._engine_plans.clear()
-            datas = [(did, weakref.ref(rt.data[did]), rt.data[did].shape, rt.data[did].minibatch)
-                     for did in plan.data_ids]
-            slots = rt.group.scratch[:calls.CallPlan.length_of(rt.group.scratch, rt.size)].copy()
-            self._engine_plans[key] = (weakref.ref(rt), datas, plan, slots,
-                                       (engine_master.reason_of(self._replica, plan),))
-        with _selection_errors():
-            return self._shape(engine_master.call(rt, self._replica, plan), plan)
+    # -- known plans: a call like an earlier one skips its checks --------------------------------
+    @staticmethod
+    def _plan_key(args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any, batch: Any, batch_s: Any,
+                  num_slices: Any) -> tuple[Any, ...] | None:
+        """The key under which a call's checked plan is kept (see :meth:`_known_plan`), or None for a
+        call whose plan is not kept: keywords, ``batch_s``, ``num_slices`` > 1, or a batch other than
+        None, an int or a slice."""
+        if kwargs or batch_s is not None or type(num_slices) is not int or num_slices != 1:
+            return None
+        if batch is not None and type(batch) not in (int, slice):
+            return None
+        if output_subset is not None and not (type(output_subset) in (list, tuple)
+                                              and all(type(i) is int for i in output_subset)):
+            return None
+        subset_key = None if output_subset is None else tuple(output_subset)
+        batch_key = (batch.start, batch.stop, batch.step) if type(batch) is slice else batch
+        return (subset_key, batch_key, *map(id, args))
+
+    def _known_plan(self, rt: Runtime, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The kept plan of a call like an earlier one -- the same Data objects, still registered and
+        of the same shapes, the same output subset and batch -- with its scratch slots copied back
+        into the group's (a dict lookup instead of every check and the plan); None if there is none."""
+        known = self._plans.get(key)
+        if known is None or known[0]() is not rt or rt.dropped or not self._still(rt, known[1]):
+            return None
+        self._require_current(rt)
+        ensure_distributed(rt)
+        slots = known[3]
+        rt.group.scratch[:len(slots)] = slots
+        return known
+
+    def _remember(self, rt: Runtime, key: tuple[Any, ...], plan: calls.CallPlan) -> tuple[Any, ...] | None:
+        """Keep a checked plan under ``key`` (:meth:`_known_plan`); returns what is kept, or None for
+        a plan that reads the shared index buffer (a slice with a step is an index batch): a later
+        call may write other indices there."""
+        if plan.index_did >= 0:
+            return None
+        if len(self._plans) >= 64:
+            self._plans.clear()
+        datas = [(did, weakref.ref(rt.data[did]), rt.data[did].shape, rt.data[did].minibatch)
+                 for did in plan.data_ids]
+        slots = rt.group.scratch[:calls.CallPlan.length_of(rt.group.scratch, rt.size)].copy()
+        reason = (engine_master.reason_of(self._replica, plan),) if rt.engine is not None else None
+        known = (weakref.ref(rt), datas, plan, slots, reason)
+        self._plans[key] = known
+        return known
 
     @staticmethod
     def _still(rt: Runtime, datas: list[tuple[int, weakref.ref[Data], Any, bool]]) -> bool:
