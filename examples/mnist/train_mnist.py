@@ -216,7 +216,7 @@ def run(args: argparse.Namespace, data: mnist.Dataset, n_parallel: int | None, l
           f"{epoch_seconds:.3f} s ({statistics.median(h['samples_per_s'] for h in history):.0f} samples/s); "
           f"whole run {time.perf_counter() - t_start:.1f} s", flush=True)
     return {"label": label, "ranks": n, "kind": kind, "history": history, "test": result,
-            "epoch_seconds": epoch_seconds}
+            "epoch_seconds": epoch_seconds, "cores": len(os.sched_getaffinity(0))}
 
 
 def plot(runs: list[dict[str, Any]], path: str, title: str) -> None:
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     speedup = None
     if len(runs) > 1:
         speedup = runs[1]["epoch_seconds"] / main_run["epoch_seconds"]
-        cores = len(os.sched_getaffinity(0))
+        cores = runs[1]["cores"]  # what the single process could run on (its own affinity)
         print(f"speedup of {main_run['ranks']} {main_run['kind']} over one process on all {cores} cores (same "
               f"backend, model and steps): {speedup:.2f}x (median training epoch {runs[1]['epoch_seconds']:.3f} s "
               f"-> {main_run['epoch_seconds']:.3f} s)")
