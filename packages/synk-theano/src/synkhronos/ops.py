@@ -96,6 +96,7 @@ from pytensor.graph.op import Op
 from synkhronos import call_context
 from synkhronos.call_context import CallContext
 from synkhronos.reduce_ops import UPDATE_OPS, check_op, contribution
+from synkhronos.reduce_ops import identity as identity_of
 
 __all__ = ["REDUCE_OPS", "AllGather", "AllReduce", "Broadcast", "Collective", "all_gather", "all_reduce",
            "broadcast", "collective_nodes", "check_group"]
@@ -289,8 +290,13 @@ class Collective(Op):
     def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
         raise NotImplementedError
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
-        """The op as a JAX function over the mesh axis ``axis_name`` (inside ``shard_map``)."""
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
+        """The op as a JAX function over the mesh axis ``axis_name`` (inside ``shard_map``).
+
+        ``counts``: each rank's rows in the call, in rank order, where they differ (an uneven call,
+        run outside the branches of :func:`synkhronos.engine.program._uneven_body`): ``avg`` is then
+        weighted by rows and a rank of 0 rows puts in the op's identity (an empty block for
+        ``all_gather``), as in the per-rank engine.  None: every rank holds the same rows."""
         raise NotImplementedError
 
     def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
@@ -354,11 +360,23 @@ class AllReduce(Collective):
         others = pt.switch(zeros_elsewhere, pt.zeros_like(x), product / nonzero)
         return [pt.switch(active, summed * others, pt.zeros_like(summed))]
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
         import jax.numpy as jnp
 
         lax = jax.lax
+        if counts is not None:
+            even = AllReduce("sum" if self.op == "avg" else self.op).in_program(axis_name, node)
+            op, total = self.op, float(sum(counts))
+
+            def weighted(x: Any) -> Any:
+                rows = _rows(axis_name, counts)
+                part = x * (rows / total).astype(x.dtype) if op == "avg" else x
+                if 0 in counts:
+                    part = jnp.where(rows > 0, part, identity_of(op, x.dtype))
+                return even(part)
+
+            return weighted
         if self.op == "sum":
             return lambda x: lax.psum(x, axis_name)
         if self.op == "avg":
@@ -414,11 +432,16 @@ class AllGather(Collective):
     def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
         return [AllGatherGrad(self.axis)(inputs[0], output_grads[0])]
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
+        import jax.numpy as jnp
 
         axis = self.axis % node.inputs[0].type.ndim
-        return lambda x: jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+        kept = [r for r, c in enumerate(counts) if c > 0] if counts is not None else []
+        if counts is None or len(kept) == len(counts):
+            return lambda x: jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+        # ranks without rows put in an empty block: their blocks are left out (known when traced)
+        return lambda x: jnp.concatenate([jax.lax.all_gather(x, axis_name)[r] for r in kept], axis=axis)
 
     def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
         shape = list(shapes[0])
@@ -465,7 +488,7 @@ class Broadcast(Collective):
     def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
         return [BroadcastGrad(self.root)(inputs[0], output_grads[0])]
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
         import jax.numpy as jnp
 
@@ -500,11 +523,14 @@ class WeightShare(Collective):
     def infer_shape(self, *args: Any) -> list[Any]:
         return [()]
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
         import jax.numpy as jnp
 
         dtype = self.dtype
+        if counts is not None:
+            total = float(sum(counts))
+            return lambda: jnp.asarray(_rows(axis_name, counts) / total, dtype=dtype)
         return lambda: jnp.asarray(1.0 / jax.lax.psum(1, axis_name), dtype=dtype)
 
     def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
@@ -558,11 +584,26 @@ class AllGatherGrad(_GradOp):
         index[axis] = slice(start, start + length)
         return summed[tuple(index)]
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
+        import jax.numpy as jnp
 
+        lax = jax.lax
         axis = self.axis % node.inputs[0].type.ndim
-        return lambda x, gy: jax.lax.psum_scatter(gy, axis_name, scatter_dimension=axis, tiled=True)
+        if counts is None or 0 not in counts:
+            return lambda x, gy: lax.psum_scatter(gy, axis_name, scatter_dimension=axis, tiled=True)
+        # the gathered value holds the blocks of the ranks with rows only: this rank's block by its place
+        places = np.cumsum([c > 0 for c in counts]) - 1
+
+        def grad(x: Any, gy: Any) -> Any:
+            rows = _rows(axis_name, counts)
+            summed = lax.psum(jnp.where(rows > 0, gy, jnp.zeros_like(gy)), axis_name)
+            length = x.shape[axis]
+            place = jnp.asarray(places)[lax.axis_index(axis_name)]
+            block = lax.dynamic_slice_in_dim(summed, place * length, length, axis)
+            return jnp.where(rows > 0, block, jnp.zeros_like(block))
+
+        return grad
 
 
 class BroadcastGrad(_GradOp):
@@ -580,13 +621,26 @@ class BroadcastGrad(_GradOp):
         summed = ctx.group.reduce(_contiguous(part), "sum", root=self.root)
         return summed if ctx.rank == self.root else np.zeros(x.shape, dtype=gy.dtype)
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
         import jax.numpy as jnp
 
         lax, root = jax.lax, self.root
-        return lambda x, gy: jnp.where(lax.axis_index(axis_name) == root, lax.psum(gy, axis_name),
-                                       jnp.zeros_like(gy))
+
+        def grad(x: Any, gy: Any) -> Any:
+            if counts is not None and 0 in counts:  # a rank without rows puts in nothing
+                gy = jnp.where(_rows(axis_name, counts) > 0, gy, jnp.zeros_like(gy))
+            return jnp.where(lax.axis_index(axis_name) == root, lax.psum(gy, axis_name), jnp.zeros_like(gy))
+
+        return grad
+
+
+def _rows(axis_name: str, counts: Sequence[int]) -> Any:
+    """This rank's rows in the call (a float64 scalar in the program; ``counts`` in rank order)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.asarray(np.asarray(counts, dtype=np.float64))[jax.lax.axis_index(axis_name)]
 
 
 def _contiguous(x: np.ndarray) -> np.ndarray:
@@ -603,14 +657,14 @@ def _empty_along(x: np.ndarray, axis: int) -> np.ndarray:
 
 # --- backends: JAX and Numba ----------------------------------------------------------------------
 
-def _jax_function(op: Collective, node: Apply, synk_axis: str | None = None, synk_weight: Any = None,
-                  **kwargs: Any) -> Callable[..., Any]:
+def _jax_function(op: Collective, node: Apply, synk_axis: str | None = None,
+                  synk_counts: Sequence[int] | None = None, **kwargs: Any) -> Callable[..., Any]:
     """The op under ``mode="JAX"``: in the program over ``synk_axis`` when the engine translates
-    the graph with it (``jax_funcify(fgraph, synk_axis=..., synk_weight=...)``; every rank holds
-    the same rows there, so ``synk_weight`` is not needed: avg is ``psum(x) / axis_size``), else a
-    host callback that does what ``perform`` does."""
+    the graph with it (``jax_funcify(..., synk_axis=..., synk_counts=...)``: ``synk_counts`` each
+    rank's rows of an uneven call, None when every rank holds the same rows; see
+    :meth:`Collective.in_program`), else a host callback that does what ``perform`` does."""
     if synk_axis is not None:
-        return op.in_program(synk_axis, node)
+        return op.in_program(synk_axis, node, synk_counts)
     return _host_callback(op, node)
 
 
