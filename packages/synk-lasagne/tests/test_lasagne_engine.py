@@ -1,7 +1,8 @@
 """The training step under the JAX engine (``synk.fork(engine="jax")``) equals single-process
-training: batches that split evenly over the ranks run as one program (gradient, in-graph
-all-reduce, update), the others through the train function's chain; both must give the
-single-process step.  Needs JAX (skipped without it); 2 worker processes on JAX's CPU devices.
+training: every batch, whether it splits evenly over the ranks or not (a rank without rows
+included), runs as one program (gradient, in-graph all-reduce, update), never the train
+function's chain, and gives the single-process step.  Needs JAX (skipped without it); 2 worker
+processes on JAX's CPU devices.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ def engine():
     synk.close()
 
 
-def test_adam_under_the_engine_matches_single_process(engine, caplog):
+def test_adam_under_the_engine_matches_single_process(engine, monkeypatch):
     import numpy as np
+
+    from synk_lasagne.training import TrainFunction
+
+    # Uneven batches used to fall back to the chain (NotOneProgramError): now one program each
+    monkeypatch.setattr(TrainFunction, "chain", property(lambda self: pytest.fail("the step ran its chain")))
 
     x, y = make_data(N_ROWS)
     x_data, y_data = synk.data(x), synk.data(y)
@@ -39,11 +45,11 @@ def test_adam_under_the_engine_matches_single_process(engine, caplog):
                                 learning_rate=0.01)  # the engine compiles with mode="JAX"
     reference, ref_rule, ref = Reference(), NumpyRule("adam", learning_rate=0.01), initial_params()
     sizes = []
-    for step, idx in enumerate(batches()):  # 7, 10, 1, 5, 8 rows: even and uneven over 2 ranks
+    for step, idx in enumerate(batches()):  # 7, 10, 1 (a rank without rows), 5, 8 rows over 2 ranks
         loss = train(x_data, y_data, batch=idx)
         ref_loss, grads = reference(x[idx], y[idx], ref)
         ref = ref_rule.step(ref, grads)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-9, err_msg=f"loss of step {step}")
         assert_every_rank(params, ref, engine, f"engine, step {step} ({len(idx)} rows)")
         sizes.append(len(idx))
-    assert {s % RANKS for s in sizes} == {0, 1}  # both forms ran
+    assert {s % RANKS for s in sizes} == {0, 1} and min(sizes) < RANKS  # even, uneven, a rank without rows
