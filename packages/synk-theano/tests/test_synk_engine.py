@@ -285,7 +285,7 @@ def test_a_graph_with_collectives_refuses_to_run_per_rank(engine, rng, caplog):
     with caplog.at_level(logging.INFO, logger="synkhronos"):
         assert f(synk.data(xd)) == pytest.approx(xd.sum())
     assert not per_rank_logged(caplog)
-    with pytest.raises(ValueError, match="in-graph collectives.*num_slices=1"):
+    with pytest.raises(ValueError, match=r"in-graph collectives.*num_slices=1"):
         f(synk.data(xd), num_slices=2)
     assert f(synk.data(xd[:2 * n])) == pytest.approx(xd[:2 * n].sum())  # the group is still usable
 
@@ -365,7 +365,7 @@ def test_uneven_collective_of_rows_says_what_to_do(engine, rng):
     n = engine
     x = pt.matrix("x")
     f = synk.function([x], outputs=(ops.all_reduce(x * 2, "sum"), "max"))
-    with pytest.raises(WorkerError, match="follows the rows.*split the rows evenly"):
+    with pytest.raises(WorkerError, match=r"follows the rows.*split the rows evenly"):
         f(synk.data(rng.standard_normal((2 * n + 1, 2))))
     xd = rng.standard_normal((2 * n, 2))
     np.testing.assert_allclose(f(synk.data(xd)), 2 * sum(parts(xd, n)), rtol=1e-12)

@@ -158,7 +158,8 @@ def test_all_gather_blocks_that_differ_beyond_the_axis_fail_in_every_rank(ranks)
     x = pt.matrix("x")
     f = synk.function([x], outputs=(ops.all_gather(pt.ones((2, x.shape[0]))), "max"))
     value = np.ones((ranks + 1, 2))  # rank 0 has 2 rows, the others 1
-    with pytest.raises((WorkerError, ValueError), match=r"differ along axis 0 only|same length|follows the rows") as info:
+    differ = r"differ along axis 0 only|same length|follows the rows"
+    with pytest.raises((WorkerError, ValueError), match=differ) as info:
         f(synk.data(value))
     if isinstance(info.value, WorkerError):  # every worker (the engine's: found when its program is traced)
         assert {e.rank for e in info.value.errors} == set(range(1, n_workers(ranks) + 1))

@@ -465,11 +465,11 @@ def _uneven_body(fgraph: Any, stages: list[Segment], branches: tuple[int, ...], 
                 env.update(zip(stage.outputs, switch(stage, [value(v) for v in stage.inputs])))
             for node in stage.collectives:
                 for v in node.inputs:
-                    found = {shapes[k][v] for k in run if v in shapes[k]}
-                    if len(found) > 1:
+                    held = {shapes[k][v] for k in run if v in shapes[k]}
+                    if len(held) > 1:
                         raise ShapesDiffer(
                             f"in-graph collective {node.op} of a value whose shape follows the rows: under uneven "
-                            f"shares its ranks would hold shapes {sorted(found)}. Reduce over the rows before the "
+                            f"shares its ranks would hold shapes {sorted(held)}. Reduce over the rows before the "
                             "collective, or split the rows evenly over the ranks (batch=)")
                 outs = jax_funcify(node.op, node=node, synk_axis=AXIS, synk_counts=counts or None)(
                     *(value(v) for v in node.inputs))

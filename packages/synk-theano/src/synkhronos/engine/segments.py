@@ -80,10 +80,8 @@ def split(fgraph: FunctionGraph, funcify: Callable[[FunctionGraph], Callable[...
     made = {out: depth[node] for node in nodes if not is_collective(node) for out in node.outputs}
     wanted: set[Variable] = set(fgraph.outputs)  # read outside the segment that makes it
     for node in nodes:
-        for v in node.inputs:
-            if v in made and v not in shape and (is_collective(node) or made[v] != depth[node]):
-                wanted.add(v)
-            elif v in made and v in shape and is_collective(node):
+        for v in node.inputs:  # a shape value is made again where it is read, except by a collective
+            if v in made and (is_collective(node) or (v not in shape and made[v] != depth[node])):
                 wanted.add(v)
     segments = []
     for d in range(n):
