@@ -34,7 +34,9 @@ Semantics
   contributes the op's identity (weight 0 for avg, 0 for sum, 1 for prod, the lowest / highest
   value for max / min; selected, so that the NaN of a mean over no rows cannot leak), an empty
   block to ``all_gather``, and receives the result and applies its updates like the others.  Its
-  outputs are left out of the call's output reduction.
+  outputs are left out of the call's output reduction.  The same in CPU mode and on the JAX
+  engine (GPU mode's), where a graph that cannot run on zero rows (a ``max`` over the rows, which
+  has no identity) then fails with an error that says so.
 * In a plain ``pytensor.function``, and in the master outside a call (``as_theano``), there is
   one rank: every op is the identity (``all_reduce(x, op) == x`` for every op, avg included).
 * Collectives run in the graph's order, the same in every rank; do not put one in a branch
@@ -64,11 +66,15 @@ group's shared-memory collectives (:mod:`synk_comm`) when a call is in progress 
 (:mod:`synkhronos.call_context`).  Under ``mode="JAX"`` an op becomes a host callback
 (``jax.experimental.io_callback``, ordered: correct, with a round trip through host memory), or,
 when the function is translated with ``jax_funcify(fgraph, synk_axis=<mesh axis name>)`` (a
-program over a mesh of the ranks' devices, ``shard_map``), a collective of the program itself:
-``jax.lax.psum``, ``pmax``, ``pmin``, ``all_gather(tiled=True)``, ``psum_scatter``; there every
-rank holds the same number of rows, and ``avg`` is ``psum(x) / axis_size``.  Under JAX a host
-callback's result shape is fixed when the function is traced, so ``all_gather`` needs the same
-length along ``axis`` in every rank (a clear error otherwise).
+program over a mesh of the ranks' devices, ``shard_map``: the JAX engine), a collective of the
+program itself: ``jax.lax.psum``, ``pmax``, ``pmin``, ``all_gather(tiled=True)``,
+``psum_scatter``; with every rank holding the same rows ``avg`` is ``psum(x) / axis_size``.  On
+uneven shares the engine runs the graph cut at its collectives (:mod:`synkhronos.engine.segments`)
+and each op between the pieces with ``synk_counts`` (every rank's rows): ``avg`` weighted by rows,
+a rank without rows putting in the identity (an empty block to ``all_gather``), as above; the
+operand must then have the same shape in every rank (not rows whose number differs: a clear
+error says so).  Under JAX a host callback's result shape is fixed when the function is traced,
+so ``all_gather`` needs the same length along ``axis`` in every rank (a clear error otherwise).
 
 Example
 -------
@@ -175,8 +181,8 @@ def all_gather(x: Any, axis: int = 0) -> Variable:
 
     Notes
     -----
-    A rank without rows contributes nothing (an empty block).  Under ``mode="JAX"`` every rank
-    must hold the same length along ``axis``.  Gradient: this rank's block of the all-reduce
+    A rank without rows contributes nothing (an empty block).  Under ``mode="JAX"`` (and on the
+    JAX engine) every rank with rows must hold the same length along ``axis``.  Gradient: this rank's block of the all-reduce
     (sum) of the output's gradient.
     """
     return cast(Variable, AllGather(axis)(x))

@@ -22,7 +22,8 @@ sliceable variables      with a ``batch_s`` window: ``P()``, each rank's whole v
 =======================  ======================================================================
 
 Uneven shares (ranks with different numbers of rows): one branch per share size, see
-:func:`_uneven_body`.
+:func:`_uneven_body`; a graph with in-graph collectives is cut at them into segments
+(:mod:`synkhronos.engine.segments`), each run in its branches, the collectives between them.
 
 Results, all ``P()``: every output reduced over the ranks inside the program (``sum``: ``psum``;
 ``avg``: ``pmean`` with even shares, a sum weighted by rows with uneven ones; ``max``/``min``:
