@@ -429,9 +429,16 @@ def _uneven_body(fgraph: Any, stages: list[Segment], branches: tuple[int, ...], 
 
         def switch(stage: Segment, ins: list[Any]) -> Any:
             """The segment in its branches: ``ins`` (padded) cut to branch ``k``'s shapes, its outputs
-            padded to the largest shape over the branches (a branch that computes nothing: zeros)."""
+            padded to the largest shape over the branches (a branch that computes nothing: zeros).
+            A segment that reads nothing whose shape follows the rows (the update rule after the
+            gradient's all-reduce) runs once, outside any switch."""
             fn = stage.fn
             assert fn is not None
+            if run == list(branches) and all(len({shapes[k][v] for k in run}) == 1 for v in stage.inputs):
+                outs = fn(*ins)  # no input follows the rows: every branch would compute the same, run it once
+                for k in run:
+                    shapes[k].update((v, tuple(jnp.shape(o))) for v, o in zip(stage.outputs, outs))
+                return outs
             traced = {}
             for k in run:
                 structs = [jax.ShapeDtypeStruct(shapes[k][v], x.dtype) for v, x in zip(stage.inputs, ins)]
