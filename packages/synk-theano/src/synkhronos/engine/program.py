@@ -199,6 +199,13 @@ class Program:
         The output subset.
     mesh : jax.sharding.Mesh
         The ranks' 1-D mesh (axis :data:`AXIS`).
+    count : int
+        Rows of the sliceable shared variables' ``batch_s`` window (0: none).
+    branches : tuple of int
+        An uneven call's distinct row counts, ascending (see :func:`_uneven_body`); () when even.
+    counts : tuple of int
+        Each rank's rows of an uneven call whose graph holds in-graph collectives (they weigh by
+        them: :meth:`synkhronos.ops.Collective.in_program`); () otherwise.
     """
 
     def __init__(self, rep: Replica, subset: tuple[int, ...] | None, mesh: Any, count: int = 0,
