@@ -53,3 +53,31 @@ def test_adam_under_the_engine_matches_single_process(engine, monkeypatch):
         assert_every_rank(params, ref, engine, f"engine, step {step} ({len(idx)} rows)")
         sizes.append(len(idx))
     assert {s % RANKS for s in sizes} == {0, 1} and min(sizes) < RANKS  # even, uneven, a rank without rows
+
+
+def test_a_rank_without_rows_keeps_its_batch_norm_statistics(engine):
+    """A batch smaller than the ranks, in one program: the rank without rows applies the same
+    parameter update as the others (it reads its rows only through the all-reduce) and keeps its
+    batch norm running statistics (its rows would have made them: a mean over no rows is NaN), as
+    the per-rank engine's chain does."""
+    import numpy as np
+    from test_lasagne_cnn_parallel import cnn, data, loss_of
+
+    from synk_lasagne import layers
+
+    net = cnn(batch_norm=True)
+    bn = next(lay for lay in layers.get_all_layers(net) if isinstance(lay, layers.BatchNormLayer))
+    params = layers.get_all_params(net, trainable=True)
+    x, y = pt.tensor4("x"), pt.ivector("y")
+    train = make_train_function(loss_of(net, x, y), params, [x, y], updates.momentum, learning_rate=0.1,
+                                momentum=0.5)
+    xd, yd = (synk.data(v) for v in data(4))
+    train(xd, yd, batch=[0, 1, 2])  # 2 + 1 rows
+    before = synk.gather(bn.mean, nd_up=1)
+    train(xd, yd, batch=[3])  # 1 + 0 rows
+    after = synk.gather(bn.mean, nd_up=1)
+    assert np.isfinite(after).all() and not np.allclose(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+    for p in params:
+        gathered = synk.gather(p, nd_up=1)
+        np.testing.assert_array_equal(gathered[0], gathered[1], err_msg=p.name)

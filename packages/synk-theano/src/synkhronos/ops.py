@@ -34,9 +34,11 @@ Semantics
   contributes the op's identity (weight 0 for avg, 0 for sum, 1 for prod, the lowest / highest
   value for max / min; selected, so that the NaN of a mean over no rows cannot leak), an empty
   block to ``all_gather``, and receives the result and applies its updates like the others.  Its
-  outputs are left out of the call's output reduction.  The same in CPU mode and on the JAX
-  engine (GPU mode's), where a graph that cannot run on zero rows (a ``max`` over the rows, which
-  has no identity) then fails with an error that says so.
+  outputs are left out of the call's output reduction.  The same on the JAX engine (GPU mode's),
+  with two differences: a graph that cannot run on zero rows there (a ``max`` over the rows,
+  which has no identity) fails with an error that says so, and such a rank keeps the shared
+  values whose update reads its rows along a path without a collective (a batch norm's running
+  statistics, NaN over zero rows), applying the others (an update from an all-reduced gradient).
 * In a plain ``pytensor.function``, and in the master outside a call (``as_theano``), there is
   one rank: every op is the identity (``all_reduce(x, op) == x`` for every op, avg included).
 * Collectives run in the graph's order, the same in every rank; do not put one in a branch

@@ -44,7 +44,7 @@ import numpy as np
 
 from synkhronos.calls import NONE, CallPlan
 from synkhronos.engine.phases import PHASES
-from synkhronos.engine.segments import Segment, split
+from synkhronos.engine.segments import Segment, from_rows, split
 from synkhronos.replica import Replica
 
 if TYPE_CHECKING:
@@ -406,8 +406,11 @@ def _uneven_body(fgraph: Any, stages: list[Segment], branches: tuple[int, ...], 
     Outside the switches the outputs reduce as in the even program, weighted by rows: ``avg`` is
     ``psum(y_r * k_r / sum k)``; a rank of 0 rows puts in the op's identity.  Without collectives
     such a rank computes nothing and keeps its shared values (as in the per-rank engine); with
-    them it runs the graph on zero rows, takes part in every collective and applies its updates
-    (as CPU mode does).  ``gather`` outputs (and the ones the master combines) leave the program
+    them it runs the graph on zero rows and takes part in every collective (as CPU mode does),
+    and applies the updates that read its rows only through collectives (or not at all: the
+    training step's, from the all-reduced gradient), so that it stays in step with the others;
+    an update that reads its rows along a path without a collective (a batch norm's running
+    statistics, NaN over zero rows) keeps its value (:func:`~synkhronos.engine.segments.from_rows`).  ``gather`` outputs (and the ones the master combines) leave the program
     stacked, padded to the longest along axis 0, with every rank's length (the last result) for the
     master to cut.
     """
@@ -423,6 +426,8 @@ def _uneven_body(fgraph: Any, stages: list[Segment], branches: tuple[int, ...], 
     weights = np.array(branches, dtype=np.float64)
     collectives = any(stage.collectives for stage in stages)
     run = [k for k in branches if k > 0 or collectives]  # the branches that compute
+    rows = from_rows(fgraph, fgraph.inputs[:n_scattered])
+    kept = [not collectives or v in rows for v in fgraph.outputs[n_out:]]  # kept by a rank without rows
     all_dtypes = [*dtypes, *update_dtypes]
 
     def body(*operands: Any) -> tuple[Any, ...]:
@@ -524,9 +529,9 @@ def _uneven_body(fgraph: Any, stages: list[Segment], branches: tuple[int, ...], 
             else:
                 results.append(_reduce(out, form, dt))
         news = outs[n_out:]
-        if 0 in branches and not collectives:  # a rank without rows keeps its shared values
-            news = [jnp.where(has_rows, new, jnp.asarray(args[j], dtype=dt))
-                    for new, j, dt in zip(news, donate, update_dtypes)]
+        if 0 in branches:  # a rank without rows keeps the shared values that its rows would have made
+            news = [jnp.where(has_rows, new, jnp.asarray(args[j], dtype=dt)) if keep else new
+                    for new, j, dt, keep in zip(news, donate, update_dtypes, kept)]
         return (*results, *news, lax.all_gather(lengths, AXIS))
 
     return body

@@ -27,7 +27,7 @@ from typing import Any
 from pytensor.graph.basic import Apply, Constant, Variable
 from pytensor.graph.fg import FunctionGraph
 
-__all__ = ["Segment", "is_collective", "split"]
+__all__ = ["Segment", "from_rows", "is_collective", "split"]
 
 
 def is_collective(node: Apply) -> bool:
@@ -47,6 +47,16 @@ class Segment:
     """Its JAX function, ``inputs -> outputs`` (a tuple); None when it has no outputs."""
     collectives: list[Apply] = field(default_factory=list)
     """The collective nodes of this depth, in the graph's order: they run after the segment."""
+
+
+def from_rows(fgraph: FunctionGraph, inputs: Sequence[Variable]) -> set[Variable]:
+    """The variables of ``fgraph`` that depend on ``inputs`` (a rank's rows) along a path that
+    passes no collective: what a rank computes from its own rows alone."""
+    found = set(inputs)
+    for node in fgraph.toposort():
+        if not is_collective(node) and any(v in found for v in node.inputs):
+            found.update(node.outputs)
+    return found
 
 
 def _is_shape_op(node: Apply) -> bool:
