@@ -184,8 +184,8 @@ def all_gather(x: Any, axis: int = 0) -> Variable:
     Notes
     -----
     A rank without rows contributes nothing (an empty block).  Under ``mode="JAX"`` (and on the
-    JAX engine) every rank with rows must hold the same length along ``axis``.  Gradient: this rank's block of the all-reduce
-    (sum) of the output's gradient.
+    JAX engine) every rank with rows must hold the same length along ``axis``.  Gradient: this
+    rank's block of the all-reduce (sum) of the output's gradient.
     """
     return cast(Variable, AllGather(axis)(x))
 

@@ -410,9 +410,9 @@ def _uneven_body(fgraph: Any, stages: list[Segment], branches: tuple[int, ...], 
     and applies the updates that read its rows only through collectives (or not at all: the
     training step's, from the all-reduced gradient), so that it stays in step with the others;
     an update that reads its rows along a path without a collective (a batch norm's running
-    statistics, NaN over zero rows) keeps its value (:func:`~synkhronos.engine.segments.from_rows`).  ``gather`` outputs (and the ones the master combines) leave the program
-    stacked, padded to the longest along axis 0, with every rank's length (the last result) for the
-    master to cut.
+    statistics, NaN over zero rows) keeps its value (:func:`~synkhronos.engine.segments.from_rows`).
+    ``gather`` outputs (and the ones the master combines) leave the program stacked, padded to the
+    longest along axis 0, with every rank's length (the last result) for the master to cut.
     """
     import jax
     import jax.numpy as jnp
