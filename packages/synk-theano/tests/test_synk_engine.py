@@ -359,9 +359,28 @@ def test_uneven_gradients_through_collectives_equal_numpy(engine, rng, extra):
     np.testing.assert_allclose(got, np.concatenate(expected), rtol=1e-10)
 
 
+@UNEVEN
+def test_uneven_all_gather_of_rows_and_its_gradient_equal_numpy(engine, rng, extra):
+    """``all_gather`` of each rank's rows (blocks of other lengths, along either axis) in rank
+    order, and the gradient of ``sum(all_gather(tanh(x)) ** 2)``: each rank's block of the sum
+    over the ranks with rows."""
+    n = engine
+    x = pt.matrix("x")
+    gathered = ops.all_gather(pt.tanh(x))
+    f = synk.function([x], outputs=[(gathered, "max"), (ops.all_gather(x.T, axis=1), "min"),
+                                    (pytensor.grad(pt.sum(gathered ** 2), x), None)])
+    xd = rng.standard_normal((uneven_rows(n, extra), 3))
+    rows, cols, grad = f(synk.data(xd))
+    np.testing.assert_allclose(rows, np.tanh(xd), rtol=1e-12)
+    np.testing.assert_array_equal(cols, xd.T)
+    active = sum(len(p) > 0 for p in parts(xd, n))
+    np.testing.assert_allclose(grad, active * 2 * np.tanh(xd) * (1 - np.tanh(xd) ** 2), rtol=1e-12)
+
+
 def test_uneven_collective_of_rows_says_what_to_do(engine, rng):
-    """A collective of a value whose shape follows the rows cannot run on uneven shares: every
-    rank says so (and what to do); even shares run, and the group stays usable."""
+    """A collective of a value whose shape follows the rows (other than all_gather) cannot run on
+    uneven shares: every rank says so (and what to do); even shares run, and the group stays
+    usable."""
     n = engine
     x = pt.matrix("x")
     f = synk.function([x], outputs=(ops.all_reduce(x * 2, "sum"), "max"))

@@ -74,9 +74,11 @@ program itself: ``jax.lax.psum``, ``pmax``, ``pmin``, ``all_gather(tiled=True)``
 uneven shares the engine runs the graph cut at its collectives (:mod:`synkhronos.engine.segments`)
 and each op between the pieces with ``synk_counts`` (every rank's rows): ``avg`` weighted by rows,
 a rank without rows putting in the identity (an empty block to ``all_gather``), as above; the
-operand must then have the same shape in every rank (not rows whose number differs: a clear
-error says so).  Under JAX a host callback's result shape is fixed when the function is traced,
-so ``all_gather`` needs the same length along ``axis`` in every rank (a clear error otherwise).
+operand must then have the same shape in every rank (a clear error says so), except for
+``all_gather`` and its gradient, whose blocks may differ along ``axis`` (each rank's rows:
+:meth:`Collective.in_uneven`).  Under JAX per rank (CPU mode's ``mode="JAX"``, GPU mode's
+per-rank engine) a host callback's result shape is fixed when the function is traced, so
+``all_gather`` needs the same length along ``axis`` in every rank (a clear error otherwise).
 
 Example
 -------
@@ -183,8 +185,8 @@ def all_gather(x: Any, axis: int = 0) -> Variable:
 
     Notes
     -----
-    A rank without rows contributes nothing (an empty block).  Under ``mode="JAX"`` (and on the
-    JAX engine) every rank with rows must hold the same length along ``axis``.  Gradient: this
+    A rank without rows contributes nothing (an empty block).  Under ``mode="JAX"`` per rank
+    (not the JAX engine) every rank must hold the same length along ``axis``.  Gradient: this
     rank's block of the all-reduce (sum) of the output's gradient.
     """
     return cast(Variable, AllGather(axis)(x))
@@ -306,6 +308,19 @@ class Collective(Op):
         weighted by rows and a rank of 0 rows puts in the op's identity (an empty block for
         ``all_gather``), as in the per-rank engine.  None: every rank holds the same rows."""
         raise NotImplementedError
+
+    def in_uneven(self, axis_name: str, node: Apply, counts: Sequence[int],
+                  shapes: list[list[tuple[int, ...]]]) -> Callable[..., Any] | None:
+        """The op over operands whose shapes differ between the ranks (rows of an uneven call):
+        ``shapes[i][r]`` is input ``i``'s shape in rank ``r``; each operand comes padded with zeros
+        to the largest, and the result leaves padded (:meth:`uneven_shape` gives its exact shape).
+        None (the default): the op cannot, and the engine says so."""
+        return None
+
+    def uneven_shape(self, shapes: list[tuple[int, ...]], padded: tuple[int, ...]) -> tuple[int, ...]:
+        """The exact shape of :meth:`in_uneven`'s result in a rank whose inputs have ``shapes``
+        (``padded``: the shape it leaves with)."""
+        return padded
 
     def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
         """The output's shape from the inputs' (JAX host callback; ``size`` ranks in the call)."""
@@ -450,6 +465,25 @@ class AllGather(Collective):
             return lambda x: jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
         # ranks without rows put in an empty block: their blocks are left out (known when traced)
         return lambda x: jnp.concatenate([jax.lax.all_gather(x, axis_name)[r] for r in kept], axis=axis)
+
+    def in_uneven(self, axis_name: str, node: Apply, counts: Sequence[int],
+                  shapes: list[list[tuple[int, ...]]]) -> Callable[..., Any] | None:
+        """Blocks whose lengths along ``axis`` differ (each rank's rows): every rank's padded block
+        gathered, each cut to its rank's shape (known when traced), concatenated in rank order."""
+        import jax
+        import jax.numpy as jnp
+
+        axis = self.axis % node.inputs[0].type.ndim
+        held = [(r, s) for r, (s, c) in enumerate(zip(shapes[0], counts)) if c > 0 and s[axis] > 0]
+        if len({s[:axis] + s[axis + 1:] for _, s in held}) > 1:
+            return None  # blocks that differ beyond the axis: no concatenation
+
+        def gather(x: Any) -> Any:
+            stacked = jax.lax.all_gather(x, axis_name)
+            blocks = [stacked[r][tuple(slice(0, n) for n in s)] for r, s in held]
+            return jnp.concatenate(blocks, axis=axis) if blocks else x[tuple(slice(0, 0) for _ in x.shape)]
+
+        return gather
 
     def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
         shape = list(shapes[0])
@@ -612,6 +646,32 @@ class AllGatherGrad(_GradOp):
             return jnp.where(rows > 0, block, jnp.zeros_like(block))
 
         return grad
+
+    def in_uneven(self, axis_name: str, node: Apply, counts: Sequence[int],
+                  shapes: list[list[tuple[int, ...]]]) -> Callable[..., Any] | None:
+        """Blocks whose lengths along ``axis`` differ: this rank's block of the summed gradient
+        starts after the earlier ranks' (known when traced), padded to the longest block."""
+        import jax
+        import jax.numpy as jnp
+
+        lax = jax.lax
+        axis = self.axis % node.inputs[0].type.ndim
+        lengths = [s[axis] if c > 0 else 0 for s, c in zip(shapes[0], counts)]
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        longest = max(lengths)
+
+        def grad(x: Any, gy: Any) -> Any:
+            rows = _rows(axis_name, counts)
+            summed = lax.psum(jnp.where(rows > 0, gy, jnp.zeros_like(gy)), axis_name)
+            widths = [(0, longest if a == axis else 0) for a in range(gy.ndim)]
+            start = jnp.asarray(starts)[lax.axis_index(axis_name)]
+            block = lax.dynamic_slice_in_dim(jnp.pad(summed, widths), start, longest, axis)
+            return jnp.where(rows > 0, block, jnp.zeros_like(block))  # past this rank's length: cut by the reader
+
+        return grad
+
+    def uneven_shape(self, shapes: list[tuple[int, ...]], padded: tuple[int, ...]) -> tuple[int, ...]:
+        return shapes[0]
 
 
 class BroadcastGrad(_GradOp):

@@ -400,8 +400,9 @@ def _uneven_body(fgraph: Any, stages: list[Segment], branches: tuple[int, ...], 
     value whose shape differs between branches (rows of an intermediate) leaves a switch padded to
     the largest shape and the next segment's branch ``k`` cuts it back to branch ``k``'s shape,
     known from tracing every branch (``jax.eval_shape``).  A collective whose operand has other
-    shapes in other branches cannot run: :class:`ShapesDiffer`.  Without collectives the graph is
-    one segment.
+    shapes in other branches runs only where its op can take padded operands
+    (:meth:`~synkhronos.ops.Collective.in_uneven`: ``all_gather`` and its gradient), else
+    :class:`ShapesDiffer`.  Without collectives the graph is one segment.
 
     Outside the switches the outputs reduce as in the even program, weighted by rows: ``avg`` is
     ``psum(y_r * k_r / sum k)``; a rank of 0 rows puts in the op's identity.  Without collectives
@@ -484,15 +485,23 @@ def _uneven_body(fgraph: Any, stages: list[Segment], branches: tuple[int, ...], 
             if stage.fn is not None:
                 env.update(zip(stage.outputs, switch(stage, [value(v) for v in stage.inputs])))
             for node in stage.collectives:
-                for v in node.inputs:
-                    held = {shapes[k][v] for k in run if v in shapes[k]}
-                    if len(held) > 1:
+                ins = [value(v) for v in node.inputs]
+                held = [{k: shapes[k].get(v, tuple(x.shape)) for k in run} for v, x in zip(node.inputs, ins)]
+                if any(len(set(h.values())) > 1 for h in held):  # an operand whose shape follows the rows
+                    fn = getattr(node.op, "in_uneven", lambda *a: None)(AXIS, node, counts,
+                                                                         [[h[c] for c in counts] for h in held])
+                    if fn is None:
+                        found = sorted({s for h in held for s in h.values()})
                         raise ShapesDiffer(
                             f"in-graph collective {node.op} of a value whose shape follows the rows: under uneven "
-                            f"shares its ranks would hold shapes {sorted(held)}. Reduce over the rows before the "
+                            f"shares its ranks would hold shapes {found}. Reduce over the rows before the "
                             "collective, or split the rows evenly over the ranks (batch=)")
-                outs = jax_funcify(node.op, node=node, synk_axis=AXIS, synk_counts=counts or None)(
-                    *(value(v) for v in node.inputs))
+                    out = jnp.asarray(fn(*ins))
+                    env[node.outputs[0]] = out
+                    for k in branches:
+                        shapes[k][node.outputs[0]] = node.op.uneven_shape([h[k] for h in held], tuple(out.shape))
+                    continue
+                outs = jax_funcify(node.op, node=node, synk_axis=AXIS, synk_counts=counts or None)(*ins)
                 for var, out in zip(node.outputs, outs if isinstance(outs, (tuple, list)) else (outs,)):
                     env[var] = jnp.asarray(out)
                     for k in branches:
