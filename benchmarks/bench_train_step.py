@@ -10,6 +10,11 @@ decides what the all-reduce costs; the tiny one shows the per-call overhead).
     python benchmarks/bench_train_step.py                  # CPU mode, 2 ranks
     python benchmarks/bench_train_step.py --ranks 3
     python benchmarks/bench_train_step.py --gpu --ranks 1  # GPU mode (one rank: no all-reduce at all)
+    python benchmarks/bench_train_step.py --engine jax --uneven  # the JAX engine, batches of batch + 1 rows
+
+``--uneven`` takes batches of one row more than the global batch (uneven over the ranks): under
+the JAX engine the fused step then runs as one program cut at its all-reduce (issue 17, before
+which it raised NotOneProgramError and the train function fell back to its chain).
 
 In GPU mode (the per-rank JAX engine of today) the in-graph all-reduce of 2+ ranks is a host
 callback (device -> host -> shared memory -> device) while the chain all-reduces through NCCL:
@@ -56,10 +61,11 @@ def build(widths: list[int], batch: int, n_rows: int) -> tuple:
     return train, x_data, y_data
 
 
-def measure(name: str, blocks: int, steps: int) -> dict[str, float]:
+def measure(name: str, blocks: int, steps: int, extra: int = 0) -> dict[str, float]:
     import numpy as np
 
     widths, batch = SIZES[name]
+    batch += extra
     n_rows = 4 * batch
     train, x_data, y_data = build(widths, batch, n_rows)
     order = np.random.default_rng(1)
@@ -88,21 +94,25 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {list(SIZES)}")
     parser.add_argument("--blocks", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--engine", default=None, help="synk.fork's engine (default: the mode's)")
+    parser.add_argument("--uneven", action="store_true", help="batches of one row more than the global batch")
     args = parser.parse_args()
-    synk.fork(args.ranks, use_gpu=args.gpu)
+    synk.fork(args.ranks, use_gpu=args.gpu, engine=args.engine)
     import pytensor
     from machine import cpu_model
     from pytensor.compile.mode import get_default_mode
 
     linker = "JAX" if args.gpu else type(get_default_mode().linker).__name__
-    print(f"{'GPU' if args.gpu else 'CPU'} mode, {args.ranks} ranks; PyTensor {pytensor.__version__} ({linker}); "
+    print(f"{'GPU' if args.gpu else 'CPU'} mode, engine {synk.engine.choose(args.engine, args.gpu)!r}, "
+          f"{args.ranks} ranks{', uneven batches' if args.uneven else ''}; PyTensor {pytensor.__version__} ({linker}); "
           f"{cpu_model()}")
     print(f"{'model':>8} {'widths':>22} {'batch':>6} {'grad values':>12} {'fused ms':>9} {'chain ms':>9} "
           f"{'chain/fused':>11}")
     try:
         for name in args.sizes.split(","):
-            r = measure(name, args.blocks, args.steps)
+            r = measure(name, args.blocks, args.steps, int(args.uneven))
             widths, batch = SIZES[name]
+            batch += int(args.uneven)
             print(f"{name:>8} {'-'.join(map(str, widths)):>22} {batch:>6} {r['grad_values']:>12} "
                   f"{r['fused']:>9.3f} {r['chain']:>9.3f} {r['chain'] / r['fused']:>10.2f}x", flush=True)
     finally:

@@ -24,6 +24,8 @@ from synk_engine_ops import RankSum, Stall
 from synk_testutil import TIMEOUT, USE_GPU, assert_no_workers_left, combine, own_entries, parts
 
 import synkhronos as synk
+from synk_comm import WorkerError
+from synkhronos import ops
 from synkhronos.runtime import current
 
 pytestmark = [pytest.mark.timeout(TIMEOUT),
@@ -272,14 +274,120 @@ def test_a_psum_op_gives_the_full_batch_gradient(engine, rng):
         np.testing.assert_allclose(synk.get_value(r, w), w0 - 0.1 * full_grad, rtol=1e-10)
 
 
-def test_a_graph_with_collectives_refuses_to_run_per_rank(engine, rng):
+def test_a_graph_with_collectives_refuses_to_run_per_rank(engine, rng, caplog):
+    """An Op of one's own marked ``synk_collective``: uneven shares run in the one program (its
+    translation runs between the branches: until issue 17's segments, NotOneProgramError);
+    num_slices, which would need per-rank programs, is refused before any rank acts."""
     n = engine
     x = pt.matrix("x")
     f = synk.function([x], outputs=(RankSum()(x.sum()), "avg"))
     xd = rng.standard_normal((2 * n + 1, 2))
-    with pytest.raises(ValueError, match="in-graph collective"):
-        f(synk.data(xd))
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        assert f(synk.data(xd)) == pytest.approx(xd.sum())
+    assert not per_rank_logged(caplog)
+    with pytest.raises(ValueError, match=r"in-graph collectives.*num_slices=1"):
+        f(synk.data(xd), num_slices=2)
     assert f(synk.data(xd[:2 * n])) == pytest.approx(xd[:2 * n].sum())  # the group is still usable
+
+
+UNEVEN = pytest.mark.parametrize("extra", [1, -1], ids=["one-more", "zero-row-rank"])
+
+
+def uneven_rows(n: int, extra: int) -> int:
+    """2n+1 rows over n ranks (one rank a row more), or n-1 (the last rank without rows)."""
+    return 2 * n + 1 if extra == 1 else n - 1
+
+
+@UNEVEN
+def test_uneven_collectives_in_segments_equal_numpy(engine, rng, caplog, extra):
+    """Uneven shares through collectives of depth 1 and 2, in one program: values computed on the
+    rows after a collective (two segments both reading the rows), a shape (``x.shape[0]``) read
+    after one, all_gather and broadcast (the root without rows: its sum of no rows, zeros), and an
+    update that every rank applies, the rank without rows included (as in CPU mode)."""
+    n = engine
+    x = pt.matrix("x")
+    acc = pytensor.shared(np.zeros(3), name="acc")
+    m = x.mean(axis=0)
+    mu = ops.all_reduce(m, "avg")  # depth 1: segment 1 reads the rows again
+    centered = x - mu
+    rows = ops.all_reduce(pt.cast(x.shape[0], "float64"), "sum")
+    var = ops.all_reduce((centered ** 2).sum(axis=0), "sum") / rows  # depth 2
+    z = centered / pt.sqrt(var)
+    top = ops.all_reduce(x.sum(), "max")
+    outputs = [(mu, "max"), (var, "min"), (z, None), ((z ** 2).sum(), "sum"),
+               (ops.all_gather(x.sum(axis=0)[None]), "max"), (ops.broadcast(x.sum(axis=0), root=n - 1), "min"),
+               (pt.ones((x.shape[0], 1)) * top, None), (ops.all_reduce(m, "min"), "max"),
+               (ops.all_reduce(x.sum(axis=0), "prod"), "max")]
+    f = synk.function([x], outputs=outputs, updates=[(acc, acc + mu)])
+    xd = rng.standard_normal((uneven_rows(n, extra), 3))
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(synk.data(xd))
+    assert not per_rank_logged(caplog)
+    ps = parts(xd, n)
+    kept = [p for p in ps if len(p)]
+    mean = xd.mean(axis=0)
+    variance = ((xd - mean) ** 2).mean(axis=0)
+    with np.errstate(invalid="ignore"):  # one row (2 ranks, one without rows): a variance of 0, z is NaN
+        zs = (xd - mean) / np.sqrt(variance)
+    refs = [mean, variance, zs, (zs ** 2).sum(), np.stack([p.sum(axis=0) for p in kept]), ps[n - 1].sum(axis=0),
+            np.full((len(xd), 1), max(p.sum() for p in kept)), np.min([p.mean(axis=0) for p in kept], axis=0),
+            np.prod([p.sum(axis=0) for p in kept], axis=0)]
+    for i, (g, r) in enumerate(zip(got, refs)):
+        np.testing.assert_allclose(g, r, rtol=1e-10, err_msg=f"output {i}")
+    for r in range(n):  # every rank, the one without rows included, applied the same update
+        np.testing.assert_allclose(synk.get_value(r, acc), mean, rtol=1e-12)
+        synk.set_value(r, acc, np.zeros(3))
+
+
+@UNEVEN
+def test_uneven_gradients_through_collectives_equal_numpy(engine, rng, extra):
+    """``d/dx`` of ``sum(c * all_reduce(m, "avg")) + sum(all_gather(m[None]) ** 2)``, ``m`` each
+    rank's mean of tanh of its rows: numpy's, over the ranks with rows (a rank without rows puts
+    in nothing and gets an empty gradient)."""
+    n = engine
+    x = pt.matrix("x")
+    c = np.array([1.0, -2.0, 0.5])
+    m = pt.mean(pt.tanh(x), axis=0)
+    cost = pt.sum(c * ops.all_reduce(m, "avg")) + pt.sum(ops.all_gather(m[None]) ** 2)
+    f = synk.function([x], outputs=(pytensor.grad(cost, x), None))
+    xd = rng.uniform(0.2, 1.2, (uneven_rows(n, extra), 3))
+    got = f(synk.data(xd))
+    split = [p for p in parts(xd, n) if len(p)]
+    active, total = len(split), len(xd)
+    expected = [active * (c * len(p) / total + 2 * np.tanh(p).mean(axis=0)) * (1 - np.tanh(p) ** 2) / len(p)
+                for p in split]
+    np.testing.assert_allclose(got, np.concatenate(expected), rtol=1e-10)
+
+
+@UNEVEN
+def test_uneven_all_gather_of_rows_and_its_gradient_equal_numpy(engine, rng, extra):
+    """``all_gather`` of each rank's rows (blocks of other lengths, along either axis) in rank
+    order, and the gradient of ``sum(all_gather(tanh(x)) ** 2)``: each rank's block of the sum
+    over the ranks with rows."""
+    n = engine
+    x = pt.matrix("x")
+    gathered = ops.all_gather(pt.tanh(x))
+    f = synk.function([x], outputs=[(gathered, "max"), (ops.all_gather(x.T, axis=1), "min"),
+                                    (pytensor.grad(pt.sum(gathered ** 2), x), None)])
+    xd = rng.standard_normal((uneven_rows(n, extra), 3))
+    rows, cols, grad = f(synk.data(xd))
+    np.testing.assert_allclose(rows, np.tanh(xd), rtol=1e-12)
+    np.testing.assert_array_equal(cols, xd.T)
+    active = sum(len(p) > 0 for p in parts(xd, n))
+    np.testing.assert_allclose(grad, active * 2 * np.tanh(xd) * (1 - np.tanh(xd) ** 2), rtol=1e-12)
+
+
+def test_uneven_collective_of_rows_says_what_to_do(engine, rng):
+    """A collective of a value whose shape follows the rows (other than all_gather) cannot run on
+    uneven shares: every rank says so (and what to do); even shares run, and the group stays
+    usable."""
+    n = engine
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=(ops.all_reduce(x * 2, "sum"), "max"))
+    with pytest.raises(WorkerError, match=r"follows the rows.*split the rows evenly"):
+        f(synk.data(rng.standard_normal((2 * n + 1, 2))))
+    xd = rng.standard_normal((2 * n, 2))
+    np.testing.assert_allclose(f(synk.data(xd)), 2 * sum(parts(xd, n)), rtol=1e-12)
 
 
 def test_collectives_on_shared_variables_and_chain(engine, rng):

@@ -17,21 +17,13 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 from pytensor.graph.basic import Apply
-from synk_testutil import ON_ENGINE, TIMEOUT, USE_GPU, parts
+from synk_testutil import ON_ENGINE, TIMEOUT, USE_GPU, n_workers, parts
 
 import synkhronos as synk
 from synk_comm import WorkerError
 from synkhronos import ops
 
 pytestmark = pytest.mark.timeout(TIMEOUT)
-
-UNEVEN_ON_ENGINE = ("the JAX engine (GPU mode's) refuses uneven shares of a graph with in-graph collectives "
-                    "(NotOneProgramError: one program cannot branch per rank around its collectives)")
-
-
-def skip_uneven_on_engine(n_rows: int, ranks: int) -> None:
-    if ON_ENGINE and n_rows % ranks:
-        pytest.skip(UNEVEN_ON_ENGINE)
 
 HAS_JAX = importlib.util.find_spec("jax") is not None
 NP_OPS = {"sum": np.sum, "avg": None, "max": np.max, "min": np.min, "prod": np.prod}
@@ -128,7 +120,6 @@ def rank_rows(n_rows, ranks):
 def test_all_reduce_equals_numpy(graph, ranks, op, n_rows):
     """Every rank gets the same value (max and min of it agree), equal to numpy's ``op`` over the
     ranks that have rows; ``avg`` is weighted by rows, so that avg of per-rank means is the mean."""
-    skip_uneven_on_engine(n_rows, ranks)
     _, _, fns = graph
     rng = np.random.default_rng(n_rows)
     x = rng.uniform(0.5, 1.5, (n_rows, 3))
@@ -143,7 +134,12 @@ def test_all_reduce_equals_numpy(graph, ranks, op, n_rows):
         np.testing.assert_allclose(biggest, x.mean(axis=0), rtol=1e-12)
 
 
-@pytest.mark.cpu_only("uneven blocks: under JAX an all_gather's shape is fixed when traced (tested below)")
+PER_RANK_JAX = USE_GPU and not ON_ENGINE
+"""GPU mode on the per-rank engine: each rank's JAX function has fixed shapes (host callbacks)."""
+
+
+@pytest.mark.skipif(PER_RANK_JAX, reason="uneven blocks: under the per-rank engine's JAX an all_gather's shape is "
+                                         "fixed when traced (tested below)")
 @pytest.mark.parametrize("n_rows", [7, 2])
 def test_all_gather_of_uneven_blocks_in_rank_order(ranks, n_rows):
     x = pt.matrix("x")
@@ -164,14 +160,14 @@ def test_all_gather_of_even_blocks(ranks):
 def test_all_gather_blocks_that_differ_beyond_the_axis_fail_in_every_rank(ranks):
     """Each rank gathers a block of its own width (its row count): a clear ValueError from every
     rank, and the group stays usable."""
-    skip_uneven_on_engine(ranks + 1, ranks)
     x = pt.matrix("x")
     f = synk.function([x], outputs=(ops.all_gather(pt.ones((2, x.shape[0]))), "max"))
     value = np.ones((ranks + 1, 2))  # rank 0 has 2 rows, the others 1
-    with pytest.raises((WorkerError, ValueError), match=r"they may differ along axis 0 only|same length") as info:
+    differ = r"differ along axis 0 only|same length|follows the rows"
+    with pytest.raises((WorkerError, ValueError), match=differ) as info:
         f(synk.data(value))
-    if isinstance(info.value, WorkerError):
-        assert {e.rank for e in info.value.errors} == set(range(1, ranks))
+    if isinstance(info.value, WorkerError):  # every worker (the engine's: found when its program is traced)
+        assert {e.rank for e in info.value.errors} == set(range(1, n_workers(ranks) + 1))
     ok = synk.function([x], outputs=(ops.all_reduce(x.sum(), "sum"), "max"))
     np.testing.assert_allclose(ok(synk.data(value)), value.sum())
 
@@ -182,7 +178,7 @@ def test_broadcast_gives_every_rank_the_roots_value(ranks, root):
     x = pt.matrix("x")
     m = pt.mean(x, axis=0)
     f = synk.function([x], outputs=[(ops.broadcast(m, root=root), "max"), (ops.broadcast(m, root=root), "min")])
-    value = np.random.default_rng(5).normal(size=(3 * ranks + (0 if ON_ENGINE else 1), 2))
+    value = np.random.default_rng(5).normal(size=(3 * ranks + 1, 2))
     biggest, smallest = f(synk.data(value))
     expected = parts(value, ranks)[root].mean(axis=0)
     np.testing.assert_allclose(biggest, expected, rtol=1e-12)
@@ -204,7 +200,6 @@ def test_broadcast_root_outside_the_group_is_refused_before_any_worker_acts(rank
 def test_in_updates_every_rank_applies_the_same_value(ranks, n_rows):
     """The rule that updates apply locally, and the op that makes them agree: ``acc`` in every
     rank (even one without rows) becomes the full-batch column means."""
-    skip_uneven_on_engine(n_rows, ranks)
     x = pt.matrix("x")
     acc = pytensor.shared(np.zeros(3), name="acc")
     local = pytensor.shared(np.zeros(3), name="local")
@@ -229,14 +224,13 @@ def test_all_reduce_avg_of_gradients_is_the_full_batch_gradient(ranks):
     loss = pt.mean((pt.tanh(x @ w) - t) ** 2)
     g = ops.all_reduce(pytensor.grad(loss, w), "avg")
     f = synk.function([x, t], outputs=(g, "max"), updates=[(w, w - 0.1 * g)])
-    reference = pytensor.function([x, t], pytensor.grad(loss, w))
+    wv = pt.vector("wv")
+    reference = pytensor.function([x, t, wv], pytensor.grad(loss, w), givens=[(w, wv)])
     rng = np.random.default_rng(7)
     for n_rows in (7, 1, 10):
-        if ON_ENGINE and n_rows % ranks:
-            continue  # UNEVEN_ON_ENGINE
         xv, tv = rng.normal(size=(n_rows, 3)), rng.normal(size=n_rows)
-        expected = reference(xv, tv)
-        w0 = w.get_value()
+        w0 = synk.get_value(0, w)  # rank 0's (under the JAX engine the master holds no value of its own)
+        expected = reference(xv, tv, w0)
         np.testing.assert_allclose(f(synk.data(xv), synk.data(tv)), expected, rtol=1e-10)
         for r in range(ranks):
             np.testing.assert_allclose(synk.get_value(r, w), w0 - 0.1 * expected, rtol=1e-10)
@@ -251,7 +245,7 @@ def test_gradient_through_all_reduce_equals_numpy(ranks, op):
     m = pt.mean(pt.tanh(x), axis=0)
     y = ops.all_reduce(m, op)
     f = synk.function([x], outputs=(pytensor.grad(pt.sum(c * y), x), None))
-    value = np.random.default_rng(8).uniform(0.2, 1.2, (6 if ON_ENGINE else 7, 3))
+    value = np.random.default_rng(8).uniform(0.2, 1.2, (7, 3))
     got = f(synk.data(value))
     split = parts(value, ranks)
     means = [np.tanh(p).mean(axis=0) for p in split]
@@ -273,7 +267,8 @@ def test_gradient_through_all_reduce_equals_numpy(ranks, op):
     np.testing.assert_allclose(got, np.concatenate(expected), rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.cpu_only("uneven blocks: under JAX an all_gather's shape is fixed when traced")
+@pytest.mark.skipif(PER_RANK_JAX, reason="uneven blocks: under the per-rank engine's JAX an all_gather's shape is "
+                                         "fixed when traced")
 def test_gradient_through_all_gather_and_broadcast_equals_numpy(ranks):
     x = pt.matrix("x")
     gathered = ops.all_gather(x)
@@ -348,11 +343,12 @@ def test_cpu_mode_ranks_compiling_with_jax(ranks, n_rows):
     synk.broadcast(acc, np.zeros(3, dtype="float32"))
 
 
-@pytest.mark.skipif(not USE_GPU, reason="GPU mode (JAX per rank): run with SYNK_TEST_GPU=1")
+@pytest.mark.skipif(not PER_RANK_JAX, reason="GPU mode on the per-rank engine (JAX per rank): run with "
+                                             "SYNK_TEST_GPU=1 SYNK_ENGINE=ranks")
 def test_jax_all_gather_of_uneven_blocks_says_why(ranks):
     x = pt.matrix("x")
     f = synk.function([x], outputs=(ops.all_gather(x), "max"))
-    with pytest.raises(Exception, match="uneven shares" if ON_ENGINE else "same length"):
+    with pytest.raises(Exception, match="same length"):
         f(synk.data(np.ones((2 * ranks + 1, 2))))
     np.testing.assert_array_equal(f(synk.data(np.ones((2 * ranks, 2)))), np.ones((2 * ranks, 2)))
 
@@ -372,7 +368,7 @@ def test_in_program_form_under_vmap_equals_numpy():
     cost = (pt.sum(ops.all_reduce(x, "avg")) + pt.sum(ops.all_gather(x) ** 2) + 3 * pt.sum(ops.broadcast(x, 1))
             + 5 * pt.sum(ops.all_reduce(x, "max")) + pt.sum(ops.all_reduce(x, "prod")))
     fgraph = FunctionGraph([x], [*outs, pytensor.grad(cost, x)], clone=True)
-    fn = jax_funcify(fgraph, synk_axis="ranks", synk_weight=None)
+    fn = jax_funcify(fgraph, synk_axis="ranks", synk_counts=None)
     xs = np.random.default_rng(11).uniform(0.5, 1.5, (3, 2, 4)).astype("float32")
     got = [np.asarray(v) for v in jax.vmap(fn, axis_name="ranks")(xs)]
     expected = [xs.sum(0), xs.mean(0), xs.max(0), xs.min(0), xs.prod(0), np.concatenate(list(xs), axis=1), xs[1]]
@@ -401,7 +397,7 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
     loss = pt.mean((x @ w) ** 2)
     g = ops.all_reduce(pytensor.grad(loss, w), "avg")
     fgraph = FunctionGraph([x, w], [g, ops.all_gather(x)], clone=True)
-    fn = jax_funcify(fgraph, synk_axis="ranks", synk_weight=None)
+    fn = jax_funcify(fgraph, synk_axis="ranks", synk_counts=None)
     mesh = Mesh(np.array(jax.devices()[:2]), ("ranks",))
     step = jax.jit(shard_map(lambda a, b: tuple(fn(a, b)), mesh=mesh, in_specs=(P("ranks"), P()),
                              out_specs=(P(), P()), **{check: False}))

@@ -175,9 +175,9 @@ class TrainFunction:
             Rows of each rank's sliceable shared variables (selected after the split).
         num_slices : int, optional
             Accumulate each rank's gradient over this many slices (to bound memory); > 1 runs
-            :attr:`chain` instead of :attr:`function` (as do GPUs, see
-            :func:`in_graph_all_reduce_pays`, and, under the JAX engine, a batch that does not
-            split evenly over the ranks).
+            :attr:`chain` instead of :attr:`function` (as does a call that the JAX engine cannot
+            run as one program, see :func:`synkhronos.engine.program.per_rank_reason`; a batch
+            that splits unevenly over the ranks runs as one program there).
 
         Returns
         -------
@@ -195,7 +195,8 @@ class TrainFunction:
         step = self.function if num_slices == 1 and in_graph_all_reduce_pays(self.own_mode) else self.chain
         try:
             out = step(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
-        except NotOneProgramError:  # the JAX engine, uneven shares: refused before any rank acted
+        except NotOneProgramError:  # the JAX engine, a call it cannot run as one program (uneven shares with
+            # sliceable shared variables, a random generator): refused before any rank acted
             out = self.chain(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
         return out[0] if len(self.output_names) == 1 else out
 

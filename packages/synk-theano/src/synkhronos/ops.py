@@ -34,7 +34,11 @@ Semantics
   contributes the op's identity (weight 0 for avg, 0 for sum, 1 for prod, the lowest / highest
   value for max / min; selected, so that the NaN of a mean over no rows cannot leak), an empty
   block to ``all_gather``, and receives the result and applies its updates like the others.  Its
-  outputs are left out of the call's output reduction.
+  outputs are left out of the call's output reduction.  The same on the JAX engine (GPU mode's),
+  with two differences: a graph that cannot run on zero rows there (a ``max`` over the rows,
+  which has no identity) fails with an error that says so, and such a rank keeps the shared
+  values whose update reads its rows along a path without a collective (a batch norm's running
+  statistics, NaN over zero rows), applying the others (an update from an all-reduced gradient).
 * In a plain ``pytensor.function``, and in the master outside a call (``as_theano``), there is
   one rank: every op is the identity (``all_reduce(x, op) == x`` for every op, avg included).
 * Collectives run in the graph's order, the same in every rank; do not put one in a branch
@@ -64,11 +68,17 @@ group's shared-memory collectives (:mod:`synk_comm`) when a call is in progress 
 (:mod:`synkhronos.call_context`).  Under ``mode="JAX"`` an op becomes a host callback
 (``jax.experimental.io_callback``, ordered: correct, with a round trip through host memory), or,
 when the function is translated with ``jax_funcify(fgraph, synk_axis=<mesh axis name>)`` (a
-program over a mesh of the ranks' devices, ``shard_map``), a collective of the program itself:
-``jax.lax.psum``, ``pmax``, ``pmin``, ``all_gather(tiled=True)``, ``psum_scatter``; there every
-rank holds the same number of rows, and ``avg`` is ``psum(x) / axis_size``.  Under JAX a host
-callback's result shape is fixed when the function is traced, so ``all_gather`` needs the same
-length along ``axis`` in every rank (a clear error otherwise).
+program over a mesh of the ranks' devices, ``shard_map``: the JAX engine), a collective of the
+program itself: ``jax.lax.psum``, ``pmax``, ``pmin``, ``all_gather(tiled=True)``,
+``psum_scatter``; with every rank holding the same rows ``avg`` is ``psum(x) / axis_size``.  On
+uneven shares the engine runs the graph cut at its collectives (:mod:`synkhronos.engine.segments`)
+and each op between the pieces with ``synk_counts`` (every rank's rows): ``avg`` weighted by rows,
+a rank without rows putting in the identity (an empty block to ``all_gather``), as above; the
+operand must then have the same shape in every rank (a clear error says so), except for
+``all_gather`` and its gradient, whose blocks may differ along ``axis`` (each rank's rows:
+:meth:`Collective.in_uneven`).  Under JAX per rank (CPU mode's ``mode="JAX"``, GPU mode's
+per-rank engine) a host callback's result shape is fixed when the function is traced, so
+``all_gather`` needs the same length along ``axis`` in every rank (a clear error otherwise).
 
 Example
 -------
@@ -96,6 +106,7 @@ from pytensor.graph.op import Op
 from synkhronos import call_context
 from synkhronos.call_context import CallContext
 from synkhronos.reduce_ops import UPDATE_OPS, check_op, contribution
+from synkhronos.reduce_ops import identity as identity_of
 
 __all__ = ["REDUCE_OPS", "AllGather", "AllReduce", "Broadcast", "Collective", "all_gather", "all_reduce",
            "broadcast", "collective_nodes", "check_group"]
@@ -174,9 +185,9 @@ def all_gather(x: Any, axis: int = 0) -> Variable:
 
     Notes
     -----
-    A rank without rows contributes nothing (an empty block).  Under ``mode="JAX"`` every rank
-    must hold the same length along ``axis``.  Gradient: this rank's block of the all-reduce
-    (sum) of the output's gradient.
+    A rank without rows contributes nothing (an empty block).  Under ``mode="JAX"`` per rank
+    (not the JAX engine) every rank must hold the same length along ``axis``.  Gradient: this
+    rank's block of the all-reduce (sum) of the output's gradient.
     """
     return cast(Variable, AllGather(axis)(x))
 
@@ -289,9 +300,27 @@ class Collective(Op):
     def host(self, ctx: CallContext, *arrays: np.ndarray, even: bool = False) -> np.ndarray:
         raise NotImplementedError
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
-        """The op as a JAX function over the mesh axis ``axis_name`` (inside ``shard_map``)."""
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
+        """The op as a JAX function over the mesh axis ``axis_name`` (inside ``shard_map``).
+
+        ``counts``: each rank's rows in the call, in rank order, where they differ (an uneven call,
+        run outside the branches of :func:`synkhronos.engine.program._uneven_body`): ``avg`` is then
+        weighted by rows and a rank of 0 rows puts in the op's identity (an empty block for
+        ``all_gather``), as in the per-rank engine.  None: every rank holds the same rows."""
         raise NotImplementedError
+
+    def in_uneven(self, axis_name: str, node: Apply, counts: Sequence[int],
+                  shapes: list[list[tuple[int, ...]]]) -> Callable[..., Any] | None:
+        """The op over operands whose shapes differ between the ranks (rows of an uneven call):
+        ``shapes[i][r]`` is input ``i``'s shape in rank ``r``; each operand comes padded with zeros
+        to the largest, and the result leaves padded (:meth:`uneven_shape` gives its exact shape).
+        None (the default): the op cannot, and the engine says so."""
+        return None
+
+    def uneven_shape(self, shapes: list[tuple[int, ...]], padded: tuple[int, ...]) -> tuple[int, ...]:
+        """The exact shape of :meth:`in_uneven`'s result in a rank whose inputs have ``shapes``
+        (``padded``: the shape it leaves with)."""
+        return padded
 
     def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
         """The output's shape from the inputs' (JAX host callback; ``size`` ranks in the call)."""
@@ -354,11 +383,23 @@ class AllReduce(Collective):
         others = pt.switch(zeros_elsewhere, pt.zeros_like(x), product / nonzero)
         return [pt.switch(active, summed * others, pt.zeros_like(summed))]
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
         import jax.numpy as jnp
 
         lax = jax.lax
+        if counts is not None:
+            even = AllReduce("sum" if self.op == "avg" else self.op).in_program(axis_name, node)
+            op, total = self.op, float(sum(counts))
+
+            def weighted(x: Any) -> Any:
+                rows = _rows(axis_name, counts)
+                part = x * (rows / total).astype(x.dtype) if op == "avg" else x
+                if 0 in counts:
+                    part = jnp.where(rows > 0, part, identity_of(op, x.dtype))
+                return even(part)
+
+            return weighted
         if self.op == "sum":
             return lambda x: lax.psum(x, axis_name)
         if self.op == "avg":
@@ -414,11 +455,35 @@ class AllGather(Collective):
     def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
         return [AllGatherGrad(self.axis)(inputs[0], output_grads[0])]
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
+        import jax.numpy as jnp
 
         axis = self.axis % node.inputs[0].type.ndim
-        return lambda x: jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+        kept = [r for r, c in enumerate(counts) if c > 0] if counts is not None else []
+        if counts is None or len(kept) == len(counts):
+            return lambda x: jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+        # ranks without rows put in an empty block: their blocks are left out (known when traced)
+        return lambda x: jnp.concatenate([jax.lax.all_gather(x, axis_name)[r] for r in kept], axis=axis)
+
+    def in_uneven(self, axis_name: str, node: Apply, counts: Sequence[int],
+                  shapes: list[list[tuple[int, ...]]]) -> Callable[..., Any] | None:
+        """Blocks whose lengths along ``axis`` differ (each rank's rows): every rank's padded block
+        gathered, each cut to its rank's shape (known when traced), concatenated in rank order."""
+        import jax
+        import jax.numpy as jnp
+
+        axis = self.axis % node.inputs[0].type.ndim
+        held = [(r, s) for r, (s, c) in enumerate(zip(shapes[0], counts)) if c > 0 and s[axis] > 0]
+        if len({s[:axis] + s[axis + 1:] for _, s in held}) > 1:
+            return None  # blocks that differ beyond the axis: no concatenation
+
+        def gather(x: Any) -> Any:
+            stacked = jax.lax.all_gather(x, axis_name)
+            blocks = [stacked[r][tuple(slice(0, n) for n in s)] for r, s in held]
+            return jnp.concatenate(blocks, axis=axis) if blocks else x[tuple(slice(0, 0) for _ in x.shape)]
+
+        return gather
 
     def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
         shape = list(shapes[0])
@@ -465,7 +530,7 @@ class Broadcast(Collective):
     def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
         return [BroadcastGrad(self.root)(inputs[0], output_grads[0])]
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
         import jax.numpy as jnp
 
@@ -500,11 +565,14 @@ class WeightShare(Collective):
     def infer_shape(self, *args: Any) -> list[Any]:
         return [()]
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
         import jax.numpy as jnp
 
         dtype = self.dtype
+        if counts is not None:
+            total = float(sum(counts))
+            return lambda: jnp.asarray(_rows(axis_name, counts) / total, dtype=dtype)
         return lambda: jnp.asarray(1.0 / jax.lax.psum(1, axis_name), dtype=dtype)
 
     def jax_shape(self, shapes: list[tuple[int, ...]], size: int) -> tuple[int, ...]:
@@ -558,11 +626,52 @@ class AllGatherGrad(_GradOp):
         index[axis] = slice(start, start + length)
         return summed[tuple(index)]
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
+        import jax.numpy as jnp
 
+        lax = jax.lax
         axis = self.axis % node.inputs[0].type.ndim
-        return lambda x, gy: jax.lax.psum_scatter(gy, axis_name, scatter_dimension=axis, tiled=True)
+        if counts is None or 0 not in counts:
+            return lambda x, gy: lax.psum_scatter(gy, axis_name, scatter_dimension=axis, tiled=True)
+        # the gathered value holds the blocks of the ranks with rows only: this rank's block by its place
+        places = np.cumsum([c > 0 for c in counts]) - 1
+
+        def grad(x: Any, gy: Any) -> Any:
+            rows = _rows(axis_name, counts)
+            summed = lax.psum(jnp.where(rows > 0, gy, jnp.zeros_like(gy)), axis_name)
+            length = x.shape[axis]
+            place = jnp.asarray(places)[lax.axis_index(axis_name)]
+            block = lax.dynamic_slice_in_dim(summed, place * length, length, axis)
+            return jnp.where(rows > 0, block, jnp.zeros_like(block))
+
+        return grad
+
+    def in_uneven(self, axis_name: str, node: Apply, counts: Sequence[int],
+                  shapes: list[list[tuple[int, ...]]]) -> Callable[..., Any] | None:
+        """Blocks whose lengths along ``axis`` differ: this rank's block of the summed gradient
+        starts after the earlier ranks' (known when traced), padded to the longest block."""
+        import jax
+        import jax.numpy as jnp
+
+        lax = jax.lax
+        axis = self.axis % node.inputs[0].type.ndim
+        lengths = [s[axis] if c > 0 else 0 for s, c in zip(shapes[0], counts)]
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        longest = max(lengths)
+
+        def grad(x: Any, gy: Any) -> Any:
+            rows = _rows(axis_name, counts)
+            summed = lax.psum(jnp.where(rows > 0, gy, jnp.zeros_like(gy)), axis_name)
+            widths = [(0, longest if a == axis else 0) for a in range(gy.ndim)]
+            start = jnp.asarray(starts)[lax.axis_index(axis_name)]
+            block = lax.dynamic_slice_in_dim(jnp.pad(summed, widths), start, longest, axis)
+            return jnp.where(rows > 0, block, jnp.zeros_like(block))  # past this rank's length: cut by the reader
+
+        return grad
+
+    def uneven_shape(self, shapes: list[tuple[int, ...]], padded: tuple[int, ...]) -> tuple[int, ...]:
+        return shapes[0]
 
 
 class BroadcastGrad(_GradOp):
@@ -580,13 +689,26 @@ class BroadcastGrad(_GradOp):
         summed = ctx.group.reduce(_contiguous(part), "sum", root=self.root)
         return summed if ctx.rank == self.root else np.zeros(x.shape, dtype=gy.dtype)
 
-    def in_program(self, axis_name: str, node: Apply) -> Callable[..., Any]:
+    def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
         import jax.numpy as jnp
 
         lax, root = jax.lax, self.root
-        return lambda x, gy: jnp.where(lax.axis_index(axis_name) == root, lax.psum(gy, axis_name),
-                                       jnp.zeros_like(gy))
+
+        def grad(x: Any, gy: Any) -> Any:
+            if counts is not None and 0 in counts:  # a rank without rows puts in nothing
+                gy = jnp.where(_rows(axis_name, counts) > 0, gy, jnp.zeros_like(gy))
+            return jnp.where(lax.axis_index(axis_name) == root, lax.psum(gy, axis_name), jnp.zeros_like(gy))
+
+        return grad
+
+
+def _rows(axis_name: str, counts: Sequence[int]) -> Any:
+    """This rank's rows in the call (a float64 scalar in the program; ``counts`` in rank order)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.asarray(np.asarray(counts, dtype=np.float64))[jax.lax.axis_index(axis_name)]
 
 
 def _contiguous(x: np.ndarray) -> np.ndarray:
@@ -603,14 +725,14 @@ def _empty_along(x: np.ndarray, axis: int) -> np.ndarray:
 
 # --- backends: JAX and Numba ----------------------------------------------------------------------
 
-def _jax_function(op: Collective, node: Apply, synk_axis: str | None = None, synk_weight: Any = None,
-                  **kwargs: Any) -> Callable[..., Any]:
+def _jax_function(op: Collective, node: Apply, synk_axis: str | None = None,
+                  synk_counts: Sequence[int] | None = None, **kwargs: Any) -> Callable[..., Any]:
     """The op under ``mode="JAX"``: in the program over ``synk_axis`` when the engine translates
-    the graph with it (``jax_funcify(fgraph, synk_axis=..., synk_weight=...)``; every rank holds
-    the same rows there, so ``synk_weight`` is not needed: avg is ``psum(x) / axis_size``), else a
-    host callback that does what ``perform`` does."""
+    the graph with it (``jax_funcify(..., synk_axis=..., synk_counts=...)``: ``synk_counts`` each
+    rank's rows of an uneven call, None when every rank holds the same rows; see
+    :meth:`Collective.in_program`), else a host callback that does what ``perform`` does."""
     if synk_axis is not None:
-        return op.in_program(synk_axis, node)
+        return op.in_program(synk_axis, node, synk_counts)
     return _host_callback(op, node)
 
 

@@ -16,9 +16,10 @@ Who does what
       own JAX translation of the compiled graph), the output reductions, and the shared variables'
       updates (donated buffers); ``batch_s`` windows ``start:stop`` of the sliceable shared
       variables inside it.  Uneven shares run in the program, one branch per share size
-      (:func:`synkhronos.engine.program._uneven_body`).  Calls the program cannot express exactly
+      (:func:`synkhronos.engine.program._uneven_body`; a graph with in-graph collectives cut at
+      them, :mod:`synkhronos.engine.segments`).  Calls the program cannot express exactly
       (``num_slices`` > 1, other ``batch_s`` selections, random generators, uneven shares with
-      in-graph collectives or sliceable variables) run the per-rank
+      sliceable variables) run the per-rank
       programs of :mod:`synkhronos.replica` in the workers and the master combines the replies
       (:func:`synkhronos.engine.program.per_rank_reason` and ``fit_reason`` say which and why).
 
@@ -79,6 +80,7 @@ def choose(engine: str | None, use_gpu: bool = False) -> str:
 
 class NotOneProgramError(ValueError):
     """A call of a function with in-graph collectives (:mod:`synkhronos.ops`) that cannot run as one
-    program over the ranks (uneven shares, which would need a branch per share size, ``num_slices``
-    > 1, ...): raised in the master before any worker acts, so a caller may run the step another
-    way (as ``synk_lasagne``'s train function does, through its chain)."""
+    program over the ranks (uneven shares with sliceable shared variables, a random generator,
+    ``batch_s`` other than equal windows, ...; uneven shares alone run as one program): raised in
+    the master before any worker acts, so a caller may run the step another way (as
+    ``synk_lasagne``'s train function does, through its chain)."""

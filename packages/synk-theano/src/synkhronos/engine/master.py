@@ -81,8 +81,9 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | Non
     reason = per_rank_reason(rep, plan) if known is None else known[0]
     if reason is not None and rep.has_collectives:
         raise NotOneProgramError(f"{spec.name or 'this function'} uses in-graph collectives, which run only in one "
-                         f"program over the ranks, and this call cannot run as one: {reason}. Split the rows "
-                         "evenly over the ranks (batch=) and call without num_slices")
+                         f"program over the ranks, and this call cannot run as one: {reason}. Call it so that "
+                         "one program can run it (the reason says what stops it), or build the step without "
+                         "in-graph collectives (synk.chain)")
     with rt.group.command(CALL):
         if reason is None and spec.sliceable:  # the workers compare their sliceable variables' shapes
             reason = fit_reason(rt.group.host.all_gather(np.empty(0, dtype=np.int64))[1:], plan)

@@ -133,14 +133,21 @@ class Ranks:
                 log.debug("synkhronos: dma_unmap of Data %d failed: %s", did, exc)
 
     def program(self, rt: Runtime, fid: int, subset: tuple[int, ...] | None, count: int,
-                branches: tuple[int, ...] = ()) -> Program | None:
+                counts: list[int] | None = None) -> Program | None:
         """The function's program for ``subset`` (made on first use; ``count``: rows of its
-        sliceable variables' window, 0 without; ``branches``: the distinct row counts of an uneven
-        call, () for an even one); None if its JAX form takes shape arguments
-        (``scalar_shape_inputs``), which one program cannot."""
-        key = (fid, subset, count, branches)
+        sliceable variables' window, 0 without; ``counts``: each rank's rows of an uneven call,
+        None for an even one); None if its JAX form takes shape arguments
+        (``scalar_shape_inputs``), which one program cannot.
+
+        An uneven program is kept per set of row counts (its branches), and with in-graph
+        collectives per rank's row counts (its collectives know every rank's, see
+        :meth:`synkhronos.ops.Collective.in_program`)."""
+        rep = rt.replicas[fid]
+        branches = tuple(sorted(set(counts))) if counts else ()
+        ranks = tuple(counts) if counts and rep.has_collectives else ()
+        key = (fid, subset, count, ranks or branches)
         if key not in self.programs:
-            program = Program(rt.replicas[fid], subset, self.mesh, count, branches)
+            program = Program(rep, subset, self.mesh, count, branches, ranks)
             self.programs[key] = None if program.takes_shapes else program
         return self.programs[key]
 
@@ -185,11 +192,11 @@ def _call(group: Group, _payload: None) -> None:
             reason = fit_reason(group.host.all_gather(shapes_of(rep, rt.device))[1:], plan)
         found = window(plan) if rep.spec.sliceable else None
         counts = shares(rep, plan)
-        branches = tuple(sorted(set(counts))) if counts else ()
         program = None if reason else rt.engine.program(rt, plan.fid, plan.subset, found[1] if found else 0,
-                                                         branches)
-        if program is not None and branches and program.shapes_differ:
-            program = None  # outputs whose shapes follow the rows: per rank, where the master says what differs
+                                                         counts)
+        if program is not None and program.shapes_differ:
+            reason = program.shapes_differ  # shapes that follow the rows: per rank, where the master says what differs
+            program = None
         if program is None:
             if rep.has_collectives:
                 raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only "
@@ -209,8 +216,8 @@ def _call(group: Group, _payload: None) -> None:
         ph.mark("rows")
     try:
         outputs = program(rt.device, scattered, bcast, found[0][rt.rank] if found else 0)
-    except ShapesDiffer:  # found when tracing, alike in every rank: they all run it per rank instead
-        program.shapes_differ = True
+    except ShapesDiffer as exc:  # found when tracing, alike in every rank: they all run it per rank instead
+        program.shapes_differ = str(exc)
         _call(group, _payload)
         return
     if ph is not None:
