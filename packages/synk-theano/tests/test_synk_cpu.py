@@ -124,7 +124,6 @@ def test_with_one_rank_a_graph_with_in_graph_collectives_compiles_in_jax(default
     mode the benchmark MLP's step was 3.6x slower than plain PyTensor JAX), and the step equals plain
     PyTensor's; synk_lasagne's train function takes it (no chain)."""
     from synk_lasagne import make_train_function, updates
-
     from synkhronos import ops
 
     xd, yd = data()
