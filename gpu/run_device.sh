@@ -14,7 +14,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | bench | comm | profile | mnist | engine | hot | resnet | resnet-fp32 | lasagne | cpu
+what=${1:-all}  # all | tests | bench | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -52,6 +52,9 @@ if [ "$what" = hot ]; then  # the engine's call path: its GPU tests, the one-GPU
   PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 150 python3 benchmarks/profile_engine_call.py 2>&1 \
     | tee "$OUT/profile_engine_call.log" || status=1
 fi
+if [ "$what" = all ] || [ "$what" = tiny ]; then  # the engine's tiny call against plain, side by side in one process
+  timeout 200 python3 benchmarks/bench_engine.py --reps 3 --variants tiny 2>&1 | tee "$OUT/bench_engine_tiny.log" || status=1
+fi
 if [ "$what" = all ] || [ "$what" = lasagne ]; then  # layers and conv/pool Ops on the GPU (JAX), one rank
   # float64: the tests compare float64 numpy data (as in CI)
   PYTENSOR_FLAGS=floatX=float64 timeout 300 python3 -m pytest -p no:cacheprovider -q packages/synk-lasagne/tests/test_lasagne_ops.py \
@@ -71,6 +74,17 @@ fi
 # CPU mode on the machine's CPU cores (16 on the one-GPU kinds): scaling against torch DDP (gloo)
 if [ "$what" = all ] || [ "$what" = cpu ]; then
   CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 300 python3 benchmarks/bench_cpu_scaling.py 2>&1 | tee "$OUT/bench_cpu_scaling.log" || status=1
+fi
+# CPU mode on 2 of the machine's cores (taskset: a 2-core machine, quiet): the tiny call at 2 ranks and
+# the main job (data-parallel against one process on both cores), twice each
+if [ "$what" = cpu2 ]; then
+  for i in 1 2; do
+    CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c 0,1 timeout 100 python3 benchmarks/bench_cpu_scaling.py --only tiny \
+      2>/dev/null | tee -a "$OUT/tiny_2cores.log" || status=1
+    CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c 0,1 timeout 150 python3 examples/mnist/train_mnist.py --cpu --no-progress \
+      --plot "$OUT/mnist_2cores_$i.png" > "$OUT/mnist_2cores_$i.log" 2>&1 || status=1
+    grep -E "^(data-parallel|single process):|speedup|final test|total time" "$OUT/mnist_2cores_$i.log"
+  done
 fi
 if [ "$what" = profile ]; then
   timeout 300 python3 benchmarks/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
