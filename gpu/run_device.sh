@@ -75,13 +75,25 @@ fi
 if [ "$what" = all ] || [ "$what" = cpu ]; then
   CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 300 python3 benchmarks/bench_cpu_scaling.py 2>&1 | tee "$OUT/bench_cpu_scaling.log" || status=1
 fi
-# CPU mode on 2 of the machine's cores (taskset: a 2-core machine, quiet): the tiny call at 2 ranks and
-# the main job (data-parallel against one process on both cores), twice each
+# CPU mode on 2 of the machine's cores (taskset: a quiet 2-core machine; two cores of different physical
+# cores, not one core's two hyperthreads): the tiny call at 2 ranks and the main job (data-parallel
+# against one process on both cores), twice each
 if [ "$what" = cpu2 ]; then
+  two=$(python3 -c "
+import os
+seen, picked = set(), []
+for c in sorted(os.sched_getaffinity(0)):
+    top = '/sys/devices/system/cpu/cpu%d/topology/' % c
+    core = tuple(open(top + f).read().strip() for f in ('physical_package_id', 'core_id'))
+    if core not in seen:
+        seen.add(core)
+        picked.append(c)
+print(','.join(map(str, picked[:2])))")
+  echo "cores $two; cpu0's hyperthreads: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list)"
   for i in 1 2; do
-    CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c 0,1 timeout 100 python3 benchmarks/bench_cpu_scaling.py --only tiny \
+    CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 100 python3 benchmarks/bench_cpu_scaling.py --only tiny \
       2>/dev/null | tee -a "$OUT/tiny_2cores.log" || status=1
-    CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c 0,1 timeout 150 python3 examples/mnist/train_mnist.py --cpu --no-progress \
+    CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 150 python3 examples/mnist/train_mnist.py --cpu --no-progress \
       --plot "$OUT/mnist_2cores_$i.png" > "$OUT/mnist_2cores_$i.log" 2>&1 || status=1
     grep -E "^(data-parallel|single process):|speedup|final test|total time" "$OUT/mnist_2cores_$i.log"
   done

@@ -253,6 +253,18 @@ def test_split_gives_disjoint_even_runs():
         cores.split([0, 1], 3)
 
 
+def test_available_puts_a_physical_cores_hyperthreads_side_by_side(monkeypatch):
+    # 8 logical CPUs, core c's two hyperthreads numbered c and c + 4 (as Linux often numbers them):
+    # two ranks get two whole physical cores each, not the two halves of the same four
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(cores, "physical_core", lambda cpu: (0, cpu % 4))
+    assert cores.available() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert cores.split(cores.available(), 2) == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    monkeypatch.undo()
+    assert sorted(cores.available()) == sorted(os.sched_getaffinity(0))  # this machine's own, every core once
+    assert all(len(cores.physical_core(c)) == 2 for c in cores.available())
+
+
 def test_without_jax_the_ranks_use_pytensors_default_mode(default_backend_choice, monkeypatch):
     """JAX not importable (simulated in the master, which decides for every rank): PyTensor's
     default mode everywhere, same results."""

@@ -19,7 +19,8 @@ import logging
 import os
 from collections.abc import Sequence
 
-__all__ = ["CORES_ENV", "THREAD_VARS", "available", "pin_from_env", "pin_process", "restore", "split", "thread_env"]
+__all__ = ["CORES_ENV", "THREAD_VARS", "available", "physical_core", "pin_from_env", "pin_process", "restore", "split",
+           "thread_env"]
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +30,23 @@ CORES_ENV = "SYNK_CORES"
 """A worker's cores, comma-separated, set at launch by :func:`synk_comm.start`."""
 
 
+def physical_core(cpu: int) -> tuple[int, int]:
+    """``(package, core)`` of logical CPU ``cpu`` (Linux sysfs); ``(0, cpu)`` where unknown.  The
+    hyperthreads of one physical core share it."""
+    top = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+    try:
+        with open(top + "physical_package_id") as package, open(top + "core_id") as core:
+            return int(package.read()), int(core.read())
+    except (OSError, ValueError):
+        return 0, cpu
+
+
 def available() -> list[int]:
-    """The cores this process may run on, in order."""
-    return sorted(os.sched_getaffinity(0))
+    """The cores this process may run on, the hyperthreads of each physical core side by side
+    (so that :func:`split` gives each rank whole physical cores where it can: Linux often numbers
+    a core's two hyperthreads ``i`` and ``i + n/2``, and consecutive ids would give two ranks the
+    two halves of the same cores)."""
+    return sorted(os.sched_getaffinity(0), key=lambda c: (*physical_core(c), c))
 
 
 def split(cores: Sequence[int], n: int) -> list[list[int]]:
