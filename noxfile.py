@@ -69,21 +69,28 @@ TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 nox.options.reuse_existing_virtualenvs = True
+CI_BACKEND = "uv|virtualenv"
+"""The environments of the README's test command (tests, lint, typecheck, docs): uv makes them and
+installs into them several times faster than virtualenv and pip (``.ci/run`` installs ``nox[uv]``);
+without uv, virtualenv and pip.  The other sessions keep pip (its configuration, local wheels
+included, which uv does not read)."""
+os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")  # uv takes this machine's interpreters, never downloads one
 
 
-def install_packages(session: nox.Session) -> None:
-    """Install every package of the monorepo (one pip call, so local dependencies resolve)."""
-    session.install(*[str(p) for p in PACKAGES])
+def install_packages(session: nox.Session, *extra: str) -> None:
+    """Install every package of the monorepo and ``extra`` requirements in one install call (local
+    dependencies resolve, and each package builds once)."""
+    session.install(*[str(p) for p in PACKAGES], *extra)
 
 
-@nox.session(python=PYTHONS)
+@nox.session(python=PYTHONS, venv_backend=CI_BACKEND)
 def tests(session: nox.Session) -> None:
     """Every package's tests (CPU mode; GPU tests skip without 2 GPUs); on 3.12, the synkhronos suite
     again in GPU mode (the JAX engine) on JAX's CPU devices."""
-    install_packages(session)
-    # the digits data (MNIST job test); JAX, CPU mode's default backend (synk-theano[cpu])
-    session.install(f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]", f"{ROOT / 'packages' / 'synk-theano'}[cpu]",
-                    *TEST_DEPS)
+    # the digits data (MNIST job test); JAX, CPU mode's default backend and GPU mode's engine
+    # (synk-theano[cpu])
+    install_packages(session, f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]",
+                     f"{ROOT / 'packages' / 'synk-theano'}[cpu]", *TEST_DEPS)
     paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
     if (ROOT / "tests").exists():
         paths.append(str(ROOT / "tests"))
@@ -92,24 +99,23 @@ def tests(session: nox.Session) -> None:
         # GPU mode's code paths on JAX's CPU devices: the whole suite on the JAX engine (GPU mode's
         # engine), its workers joined by JAX's multi-process runtime, collectives over gloo -- what
         # CI can check of GPU mode; test_synk_engine.py also runs the engine in 2 and 3 workers.
-        session.install("jax")
+        # (JAX came with synk-theano[cpu].)
         session.run("pytest", str(ROOT / "packages" / "synk-theano" / "tests"),
                     env={"PYTHONUNBUFFERED": "1", "SYNK_EMULATE_GPUS": "2", "SYNK_TEST_GPU": "1",
                          "PYTENSOR_FLAGS": "floatX=float64"})
 
 
-@nox.session(python=ONE_PYTHON)
+@nox.session(python=ONE_PYTHON, venv_backend=CI_BACKEND)
 def lint(session: nox.Session) -> None:
     """ruff over the whole repository."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
 
 
-@nox.session(python=ONE_PYTHON)
+@nox.session(python=ONE_PYTHON, venv_backend=CI_BACKEND)
 def typecheck(session: nox.Session) -> None:
     """mypy on every package's sources."""
-    install_packages(session)
-    session.install("mypy>=1.10")
+    install_packages(session, "mypy>=1.10")
     session.run("mypy", *[str(p / "src") for p in PACKAGES])
 
 
@@ -117,20 +123,19 @@ def typecheck(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job (see README): data-parallel MNIST training with synk-lasagne, on every GPU or CPU
     core; MNIST IDX files from $SYNK_MNIST_DIR, else scikit-learn's digits.  Flags go after ``--``."""
-    install_packages(session)
-    session.install(f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]", f"{ROOT / 'packages' / 'synk-theano'}[cpu]")
+    install_packages(session, f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]",
+                     f"{ROOT / 'packages' / 'synk-theano'}[cpu]")
     session.run("python", "examples/mnist/train_mnist.py", *session.posargs, env={"PYTHONUNBUFFERED": "1"})
 
 
-@nox.session(python=ONE_PYTHON)
+@nox.session(python=ONE_PYTHON, venv_backend=CI_BACKEND)
 def docs(session: nox.Session) -> None:
     """The Sphinx site of docs/ (HTML in docs/_build/html); any warning, broken references included, fails.
 
     Every page is rebuilt each time (``-E``), so a warning of an unchanged page fails too.  Extra
     sphinx-build options go after ``--``.
     """
-    install_packages(session)
-    session.install("sphinx>=7.3", "myst-parser>=3")  # napoleon (NumPy docstrings) ships with Sphinx
+    install_packages(session, "sphinx>=7.3", "myst-parser>=3")  # napoleon (NumPy docstrings) ships with Sphinx
     session.run("sphinx-build", "-E", "-W", "--keep-going", "-n", "-q", "-b", "html", *session.posargs,
                 "docs", "docs/_build/html")
 
@@ -138,8 +143,7 @@ def docs(session: nox.Session) -> None:
 @nox.session(python=ONE_PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks; each prints a table and appends nothing by itself (copy into RESULTS.md)."""
-    install_packages(session)
-    session.install("torch==2.13.0", f"{ROOT / 'packages' / 'synk-theano'}[cpu]")
+    install_packages(session, "torch==2.13.0", f"{ROOT / 'packages' / 'synk-theano'}[cpu]")
     scripts = session.posargs or sorted(str(p) for p in (ROOT / "benchmarks").glob("bench_*.py"))
     for script in scripts:
         session.run("python", script)
@@ -149,8 +153,7 @@ def bench(session: nox.Session) -> None:
 def reliability(session: nox.Session) -> None:
     """Bad-input and fault-injection suites (tests/reliability, with their summary table), then the
     100,000-call soak (benchmarks/soak.py: memory, file descriptors and /dev/shm stay flat)."""
-    install_packages(session)
-    session.install(*TEST_DEPS)
+    install_packages(session, *TEST_DEPS)
     session.run("pytest", str(ROOT / "tests" / "reliability"), *session.posargs,
                 env={"PYTHONUNBUFFERED": "1"})
     session.run("python", str(ROOT / "benchmarks" / "soak.py"), env={"PYTHONUNBUFFERED": "1"})

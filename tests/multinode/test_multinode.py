@@ -28,14 +28,16 @@ pytest.importorskip("zmq")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
-for _path in (HERE, os.path.join(ROOT, "packages", "synk-theano", "tests"),
+# synk_engine_ops (the Stall Op, which the workers of both hosts unpickle: the launcher passes this
+# sys.path on) and the synkhronos and synk-lasagne test helpers
+for _path in (os.path.join(ROOT, "packages", "synk-theano", "tests"),
               os.path.join(ROOT, "packages", "synk-lasagne", "tests")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
 import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402
-from multinode_ops import Slow  # noqa: E402
+from synk_engine_ops import Stall  # noqa: E402
 from synk_testutil import worker_pids  # noqa: E402
 
 import synkhronos as synk  # noqa: E402
@@ -189,7 +191,7 @@ def test_batch_s_on_each_hosts_own_rows(ranks, caplog):
 
 def test_a_rank_error_on_the_other_host_names_rank_and_host(ranks):
     x = pt.matrix("x")
-    f = synk.function([x], outputs=(pt.sum(Slow(0.0, fail_rank=2)(x)), "sum"))
+    f = synk.function([x], outputs=(pt.sum(Stall(0.0, fail_rank=2)(x)), "sum"))
     bad = synk.data(-np.ones((7, 4)))
     with pytest.raises(WorkerError, match=f"rank 3 \\(host {HOST}\\) raised ") as info:
         f(bad, num_slices=2)  # num_slices: per-rank programs, so the group stays usable
@@ -201,7 +203,7 @@ def test_a_rank_error_in_one_program_closes_the_run_after_the_grace(ranks, other
     synk.close()
     synk.fork(use_gpu=False)
     x = pt.matrix("x")
-    f = synk.function([x], outputs=(pt.sum(Slow(0.0, fail_rank=2)(x)), "sum"))
+    f = synk.function([x], outputs=(pt.sum(Stall(0.0, fail_rank=2)(x)), "sum"))
     t0 = time.monotonic()  # the first call of the run: each host learns the grace with the call
     with pytest.raises(WorkerError, match=f"rank 3 \\(host {HOST}\\) raised ") as info:
         f(synk.data(-np.ones((6, 4))))  # even rows: one program; the others wait in its psum for rank 2
@@ -219,7 +221,7 @@ def _slow_call_killed(kill, seconds: float = 4.0):
     """Start a call that runs ``seconds`` (its first: compiling, then sleeping); ``kill()`` after 1 s;
     return (exception, seconds from the kill)."""
     x = pt.matrix("x")
-    f = synk.function([x], outputs=(pt.sum(Slow(seconds)(x)), "sum"))
+    f = synk.function([x], outputs=(pt.sum(Stall(seconds)(x)), "sum"))
     data = synk.data(np.ones((6, 4)))
     killed: list[float] = []
 

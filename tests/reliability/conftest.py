@@ -61,11 +61,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture(scope="session", autouse=True)
 def reliability_nothing_left():
     """After the suite: no worker process of ours, and nothing in /dev/shm that the suite made."""
-    before = set(rl.shm_entries(rl.run_prefix()))
+    before = set(rl.own_entries(rl.run_prefix()))
     yield
     gc.collect()
-    rl.check_no_leak("worker processes after the suite", rl.wait_gone(rl.worker_children(), 5.0))
-    rl.check_no_leak("/dev/shm entries after the suite", sorted(set(rl.shm_entries(rl.run_prefix())) - before))
+    rl.check_no_leak("worker processes after the suite", rl.wait_gone(rl.worker_pids(), 5.0))
+    rl.check_no_leak("/dev/shm entries after the suite", sorted(set(rl.own_entries(rl.run_prefix())) - before))
 
 
 def summary_rows() -> list[tuple[str, ...]]:

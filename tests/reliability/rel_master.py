@@ -14,6 +14,7 @@ No main guard on purpose: synkhronos must never re-run this file in a worker.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -25,6 +26,10 @@ import synk_shm
 import synkhronos as synk
 from synkhronos.runtime import current
 
+# The tests signal this master with SIGINT: Python's KeyboardInterrupt, whatever the test run
+# inherited (a job that a non-interactive shell started in the background ignores SIGINT, and then
+# so does Python).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 mode, seconds = sys.argv[1], float(sys.argv[2])
 synk.fork(2, use_gpu=False, master_rank=1 if mode == "sigint-waiting" else 0)
 x = pt.matrix("x", dtype="float64")

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,12 @@ import synk_shm
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 SHM_DIR = "/dev/shm"
+COMM_TESTS = os.path.join(ROOT, "packages", "synk-comm", "tests")
+if COMM_TESTS not in sys.path:  # the process and /dev/shm helpers (comm_testutil)
+    sys.path.append(COMM_TESTS)
+
+from comm_testutil import alive, own_entries, wait_gone, worker_pids  # noqa: E402, F401
+
 FAULT_ENV = "SYNK_REL_FAULT_FILE"
 PROMISE_S = 2.0
 """Seconds within which DESIGN.md promises a fault to surface (and a dead master's workers to go)."""
@@ -80,64 +85,14 @@ class CommandSpy:
 
 # --- processes and /dev/shm ------------------------------------------------------------------------
 
-def shm_entries(prefix: str) -> list[str]:
-    """Entries of /dev/shm (segments and ``sem.`` semaphores) whose name starts with ``prefix``."""
-    bare = prefix.lstrip("/")
-    try:
-        return sorted(e for e in os.listdir(SHM_DIR) if e.startswith((bare, "sem." + bare)))
-    except OSError:
-        return []
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
-
-
-def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
-    """Wait up to ``timeout`` seconds for every pid to end; returns those still running."""
-    pids = list(pids)
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in pids if alive(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.02)
-
-
 def wait_no_entries(prefix: str, timeout: float) -> list[str]:
     """Wait up to ``timeout`` seconds for /dev/shm to hold nothing under ``prefix``; returns what is left."""
     deadline = time.monotonic() + timeout
     while True:
-        left = shm_entries(prefix)
+        left = own_entries(prefix)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.02)
-
-
-def worker_children(parent: int | None = None) -> list[int]:
-    """Live children of ``parent`` (default: this process) that run ``synk_comm.worker``."""
-    parent = os.getpid() if parent is None else parent
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2:].split()
-        if int(fields[1]) == parent and fields[0] not in (b"Z", b"X") and b"synk_comm.worker" in cmdline:
-            found.append(int(entry))
-    return sorted(found)
 
 
 def group_worker_pids(group: Any) -> list[int]:

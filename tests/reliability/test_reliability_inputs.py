@@ -104,7 +104,7 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env():
-    before = set(rl.shm_entries(rl.run_prefix()))
+    before = set(rl.own_entries(rl.run_prefix()))
     e = Env()
     prefix = e.group.prefix
     pids = rl.group_worker_pids(e.group)
@@ -115,9 +115,9 @@ def env():
     del e
     gc.collect()
     rl.check_no_leak("workers of the bad-input group", rl.wait_gone(pids, 5.0))
-    rl.check_no_leak("/dev/shm entries of the bad-input group", rl.shm_entries(prefix))
+    rl.check_no_leak("/dev/shm entries of the bad-input group", rl.own_entries(prefix))
     rl.check_no_leak("/dev/shm entries of the bad-input module",
-                     sorted(set(rl.shm_entries(rl.run_prefix())) - before))
+                     sorted(set(rl.own_entries(rl.run_prefix())) - before))
 
 
 @dataclass
@@ -357,7 +357,7 @@ def comm():
     yield group
     group.close()
     rl.check_no_leak("workers of the synk_comm group", rl.wait_gone(pids, 5.0))
-    rl.check_no_leak("/dev/shm entries of the synk_comm group", rl.shm_entries(group.prefix))
+    rl.check_no_leak("/dev/shm entries of the synk_comm group", rl.own_entries(group.prefix))
 
 
 CM = "synk_comm"
@@ -393,11 +393,11 @@ def comm_state(group: synk_comm.Group) -> list[Any]:
 def test_bad_input_synk_comm(comm, name):
     case = COMM_CASES[name]
     before = comm_state(comm)
-    children = rl.worker_children()
+    children = rl.worker_pids()
     with rl.CommandSpy(comm) as spy, pytest.raises(case.exc, match=case.match):
         case.action(comm, None)
     assert spy.releases == 0, "a command reached the workers before the error"
-    assert rl.worker_children() == children, "a worker process was started"
+    assert rl.worker_pids() == children, "a worker process was started"
     np.testing.assert_array_equal(comm.run("rel.sum_ranks", 3), np.full(3, 1.0))
     for a, b in zip(comm_state(comm), before):
         np.testing.assert_array_equal(a, b)
@@ -429,7 +429,7 @@ def test_bad_input_misuse_in_a_worker_handler(comm, name):
         action(comm)
     assert info.value.ranks == [1] and info.value.errors[0].type_name == "RuntimeError"
     assert "Traceback" in info.value.errors[0].traceback
-    assert [rl.worker_children(p) for p in pids] == [[]], "the worker started processes of its own"
+    assert [rl.worker_pids(p) for p in pids] == [[]], "the worker started processes of its own"
     np.testing.assert_array_equal(comm.run("rel.sum_ranks", 3), np.full(3, 1.0))
     for a, b in zip(comm_state(comm), before):
         np.testing.assert_array_equal(a, b)
@@ -442,5 +442,5 @@ def test_bad_input_fork_inside_a_function_in_a_worker(env):
     with pytest.raises(synk.WorkerError, match=r"synk.fork\(\) was called in worker rank 1") as info:
         fork_in_function(env)
     assert info.value.ranks == [1] and info.value.errors[0].type_name == "RuntimeError"
-    assert [rl.worker_children(p) for p in rl.group_worker_pids(env.group)] == [[]]
+    assert [rl.worker_pids(p) for p in rl.group_worker_pids(env.group)] == [[]]
     env.assert_intact_and_usable(before)

@@ -26,14 +26,14 @@ SY = "synkhronos"
 def no_group_around():
     """Each test starts and ends with no group and leaves no process or segment of its own."""
     synk.close()
-    children = rl.worker_children()
-    before = set(rl.shm_entries(rl.run_prefix()))
+    children = rl.worker_pids()
+    before = set(rl.own_entries(rl.run_prefix()))
     yield
     synk.close()
     gc.collect()
-    rl.check_no_leak("worker processes of a lifecycle test", sorted(set(rl.wait_gone(rl.worker_children(), 5.0))
+    rl.check_no_leak("worker processes of a lifecycle test", sorted(set(rl.wait_gone(rl.worker_pids(), 5.0))
                                                                      - set(children)))
-    rl.check_no_leak("/dev/shm entries of a lifecycle test", sorted(set(rl.shm_entries(rl.run_prefix())) - before))
+    rl.check_no_leak("/dev/shm entries of a lifecycle test", sorted(set(rl.own_entries(rl.run_prefix())) - before))
 
 
 def not_forked_calls(s: pytensor.compile.SharedVariable) -> dict[str, object]:
@@ -47,10 +47,10 @@ def not_forked_calls(s: pytensor.compile.SharedVariable) -> dict[str, object]:
                                   for c in ["function", "data", "distribute", "broadcast", "gather", "set_value"]])
 def test_call_before_fork(call):
     s = pytensor.shared(np.zeros(3), name="s")
-    children = rl.worker_children()
+    children = rl.worker_pids()
     with pytest.raises(RuntimeError, match=r"not forked: call synk.fork\(\) first"):
         not_forked_calls(s)[call]()  # type: ignore[operator]
-    assert current() is None and rl.worker_children() == children
+    assert current() is None and rl.worker_pids() == children
     np.testing.assert_array_equal(s.get_value(), np.zeros(3))
 
 
@@ -90,7 +90,7 @@ def test_fork_twice():
     with pytest.raises(RuntimeError, match=r"already forked: call synk.close\(\)"):
         synk.fork(2, use_gpu=False)
     assert current().group is group and rl.group_worker_pids(group) == pids
-    assert rl.worker_children() == pids
+    assert rl.worker_pids() == pids
     X = synk.data(np.ones((4, 2)))
     assert f(X) == 8.0
     X.free_memory()
@@ -106,7 +106,7 @@ def test_fork_twice():
 def test_bad_fork_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         synk.fork(use_gpu=False, **kwargs)
-    assert current() is None and rl.worker_children() == []
+    assert current() is None and rl.worker_pids() == []
 
 
 @pytest.mark.reliability("input", SY)
@@ -114,7 +114,7 @@ def test_bad_fork_arguments(kwargs, match):
 def test_fork_use_gpu_without_a_gpu():
     with pytest.raises(ValueError, match="no visible NVIDIA GPU"):
         synk.fork(2, use_gpu=True)
-    assert current() is None and rl.worker_children() == []
+    assert current() is None and rl.worker_pids() == []
 
 
 @pytest.mark.reliability("input", "synk_comm")
@@ -126,4 +126,4 @@ def test_closed_synk_comm_group():
     for call in [lambda: group.run("rel.sum_ranks", 2), lambda: group.all_reduce(np.ones(2)), group.barrier]:
         with pytest.raises(synk_comm.GroupBrokenError, match="closed"):
             call()
-    assert rl.wait_gone(pids, 5.0) == [] and rl.shm_entries(group.prefix) == []
+    assert rl.wait_gone(pids, 5.0) == [] and rl.own_entries(group.prefix) == []

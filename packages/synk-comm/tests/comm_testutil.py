@@ -1,4 +1,8 @@
-"""Helpers of the synk-comm tests that are not fixtures: /dev/shm entries, processes, scripts."""
+"""Helpers of the synk-comm tests that are not fixtures: /dev/shm entries, processes, scripts.
+
+The process and /dev/shm helpers here serve the other suites too (synkhronos, synk-lasagne, the
+reliability and multi-host tests import them from this module, which needs no PyTensor): their test
+helpers put this directory on ``sys.path``."""
 
 from __future__ import annotations
 
@@ -19,6 +23,14 @@ def entries_with(keep: Callable[[str], bool]) -> list[str]:
         return sorted(e for e in os.listdir(SHM_DIR) if keep(e))
     except OSError:
         return []
+
+
+def own_entries(prefix: str | None = None) -> list[str]:
+    """Entries of /dev/shm (segments and ``sem.`` semaphores) under ``prefix`` (default: this run's)."""
+    import synk_shm
+
+    bare = (prefix or synk_shm.run_prefix()).lstrip("/")
+    return entries_with(lambda e: e.startswith((bare, "sem." + bare)))
 
 
 def run_entries(pid: int) -> list[str]:
@@ -45,6 +57,36 @@ def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+def worker_pids(parent: int | None = None) -> list[int]:
+    """Live children of ``parent`` (default: this process) that run ``synk_comm.worker``."""
+    parent = os.getpid() if parent is None else parent
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid == parent and state not in (b"Z", b"X") and b"synk_comm.worker" in cmdline:
+            found.append(int(entry))
+    return sorted(found)
+
+
+def assert_no_workers_left(timeout: float = 10.0) -> None:
+    """Every worker child of this process is gone within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while worker_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = worker_pids()
+    assert not left, f"worker processes still running: {left}"
 
 
 def python_env(extra_path: Sequence[str] = ()) -> dict[str, str]:

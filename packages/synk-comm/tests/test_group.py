@@ -234,53 +234,72 @@ def test_worker_killed_during_pipelined_all_reduce():
         g.close()
 
 
-@pytest.mark.timeout(20)
-def test_worker_killed_while_master_waits_at_barrier():
+KILL_AFTER_S = 0.3
+
+
+class Doomed:
+    """A fresh group of 2 (``group``, its ``pids``) whose rank 1 a timer SIGKILLs
+    :data:`KILL_AFTER_S` after :meth:`start`."""
+
+    def __init__(self, group: synk_comm.Group) -> None:
+        self.group = group
+        self.pids = group.run("pids")
+        self.killer = threading.Timer(KILL_AFTER_S, os.kill, (self.pids[1], signal.SIGKILL))
+
+    def start(self) -> float:
+        """Start the timer; return when (``time.monotonic()``)."""
+        t0 = time.monotonic()
+        self.killer.start()
+        return t0
+
+
+@pytest.fixture
+def doomed():
+    """A :class:`Doomed` group, closed (and its timer joined) after the test."""
     g = fresh(2)
     try:
-        pids = g.run("pids")
-        killer = threading.Timer(0.3, os.kill, (pids[1], signal.SIGKILL))
-        with pytest.raises(WorkerDiedError) as info, g.command("sleep", 30.0):
-            t0 = time.monotonic()
-            killer.start()
-            g.barrier()  # rank 1 sleeps in its handler, then dies: it never arrives
-        assert time.monotonic() - t0 < 0.3 + 2.0  # the kill comes after 0.3 s
-        assert info.value.rank == 1
-        assert g.closed
-        killer.join()
+        d = Doomed(g)
+        yield d
+        if d.killer.ident is not None:
+            d.killer.join()
     finally:
         g.close()
 
 
 @pytest.mark.timeout(20)
-def test_worker_killed_while_master_computes_its_own_part():
+def test_worker_killed_while_master_waits_at_barrier(doomed):
+    g = doomed.group
+    with pytest.raises(WorkerDiedError) as info, g.command("sleep", 30.0):
+        t0 = doomed.start()
+        g.barrier()  # rank 1 sleeps in its handler, then dies: it never arrives
+    assert time.monotonic() - t0 < KILL_AFTER_S + 2.0
+    assert info.value.rank == 1
+    assert g.closed
+
+
+@pytest.mark.timeout(20)
+def test_worker_killed_while_master_computes_its_own_part(doomed):
     """The master's own part runs Python for 10 s (no wait on the group): its watchdog ends it
     with WorkerDiedError within about a second of the worker's death."""
-    g = fresh(2)
+    g = doomed.group
+    with pytest.raises(WorkerDiedError) as info, g.command("sleep", 30.0):
+        t0 = doomed.start()
+        while time.monotonic() - t0 < 10.0:  # the master's share: Python code, no group call
+            sum(range(1000))
+    assert time.monotonic() - t0 < KILL_AFTER_S + 1.5
+    assert info.value.rank == 1
+    assert g.closed
+    assert wait_gone(doomed.pids[1:], 5.0) == []
+    doomed.killer.join()
+    g2 = fresh(2)  # the next group is not interrupted by the last one's watchdog
     try:
-        pids = g.run("pids")
-        killer = threading.Timer(0.3, os.kill, (pids[1], signal.SIGKILL))
-        with pytest.raises(WorkerDiedError) as info, g.command("sleep", 30.0):
-            t0 = time.monotonic()
-            killer.start()
-            while time.monotonic() - t0 < 10.0:  # the master's share: Python code, no group call
+        t1 = time.monotonic()
+        with g2.command("sleep", 0.0):
+            while time.monotonic() - t1 < 0.5:
                 sum(range(1000))
-        assert time.monotonic() - t0 < 0.3 + 1.5
-        assert info.value.rank == 1
-        assert g.closed
-        assert wait_gone(pids[1:], 5.0) == []
-        killer.join()
-        g2 = fresh(2)  # the next group is not interrupted by the last one's watchdog
-        try:
-            t1 = time.monotonic()
-            with g2.command("sleep", 0.0):
-                while time.monotonic() - t1 < 0.5:
-                    sum(range(1000))
-            assert_usable(g2)
-        finally:
-            g2.close()
+        assert_usable(g2)
     finally:
-        g.close()
+        g2.close()
 
 
 # --- a dead master --------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +22,12 @@ TIMEOUT = 120
 """Seconds for any test that runs several processes (pytest.mark.timeout)."""
 FAST = {"mode": "FAST_COMPILE"}
 """PyTensor mode of the test functions: compiles in a fraction of a second (the maths is the same)."""
+
+COMM_TESTS = os.path.join(ROOT, "packages", "synk-comm", "tests")
+if COMM_TESTS not in sys.path:  # the process and /dev/shm helpers (comm_testutil)
+    sys.path.append(COMM_TESTS)
+
+from comm_testutil import assert_no_workers_left, own_entries, worker_pids  # noqa: E402, F401
 
 N_IN, N_HIDDEN, N_OUT = 5, 4, 3
 
@@ -233,41 +238,3 @@ def run_script(args: Sequence[str], timeout: float = 240.0, cwd: str | None = No
             out, err = proc.communicate()
             raise AssertionError(f"{args} ran past {timeout} s:\n{out}\n{err}") from None
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), proc.pid
-
-
-def worker_pids(parent: int | None = None) -> list[int]:
-    """Live children of ``parent`` (default: this process) that run ``synk_comm.worker``."""
-    parent = os.getpid() if parent is None else parent
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2:].split()
-        if int(fields[1]) == parent and fields[0] not in (b"Z", b"X") and b"synk_comm.worker" in cmdline:
-            found.append(int(entry))
-    return sorted(found)
-
-
-def assert_no_workers_left(timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while worker_pids() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not worker_pids(), f"worker processes still running: {worker_pids()}"
-
-
-def own_entries(prefix: str | None = None) -> list[str]:
-    """Entries of /dev/shm under ``prefix`` (default: this run's)."""
-    import synk_shm
-
-    bare = (prefix or synk_shm.run_prefix()).lstrip("/")
-    try:
-        return sorted(e for e in os.listdir("/dev/shm") if e.startswith((bare, "sem." + bare)))
-    except OSError:
-        return []

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytensor
-import pytensor.tensor as pt
 import pytest
-from lasagne_testutil import FAST, NumpyRule
-from test_lasagne_cnn_parallel import SIZES, cnn, data, loss_of
-
-from synk_lasagne import layers, make_train_function, updates
+from lasagne_cnn import N_ROWS, assert_momentum_steps_equal_the_single_process_steps
 
 
 def _gpu_count() -> int:
@@ -39,30 +35,5 @@ def gpus():
 
 
 def test_cnn_step_on_gpus_equals_the_single_process_step(gpus):
-    import synkhronos as synk
-
-    net = cnn(batch_norm=False)
-    params = layers.get_all_params(net, trainable=True)
-    x, y = pt.tensor4("x"), pt.ivector("y")
-    train = make_train_function(loss_of(net, x, y), params, [x, y], updates.momentum, learning_rate=0.1,
-                                momentum=0.5)
-    reference_net = cnn(batch_norm=False)
-    ref_params = layers.get_all_params(reference_net, trainable=True)
-    ref_loss = loss_of(reference_net, x, y)
-    ref_fn = pytensor.function([x, y], [ref_loss, *pytensor.grad(ref_loss, ref_params)], **FAST)
-    rule = NumpyRule("momentum", learning_rate=0.1, momentum=0.5)
-    x_value, y_value = data()
-    x_data, y_data = synk.data(x_value), synk.data(y_value)
-    start = 0
-    for step, size in enumerate(SIZES):
-        idx = np.arange(start, start + size)
-        start += size
-        loss = train(x_data, y_data, batch=idx)
-        expected_loss, *grads = ref_fn(x_value[idx], y_value[idx])
-        for p, v in zip(ref_params, rule.step([p.get_value() for p in ref_params], grads)):
-            p.set_value(v)
-        np.testing.assert_allclose(np.asarray(loss), expected_loss, rtol=1e-7, err_msg=f"loss of step {step}")
-        for p, ref, gathered in zip(params, ref_params, synk.gather(params, nd_up=1)):
-            for rank in range(gpus):
-                np.testing.assert_allclose(np.asarray(gathered[rank]), ref.get_value(), rtol=1e-6, atol=1e-9,
-                                           err_msg=f"{p.name} in rank {rank} after step {step}")
+    order = np.arange(N_ROWS)
+    assert_momentum_steps_equal_the_single_process_steps(gpus, order, loss_rtol=1e-7, rtol=1e-6, atol=1e-9)

@@ -1,18 +1,19 @@
-"""Test-local PyTensor Ops for the engine's tests (a module of its own: the workers unpickle the
-graphs that use them, so it must import by name there, and it imports JAX, which the other tests
-need not).
+"""Test-local PyTensor Ops for the engine's tests and the multi-host tests (tests/multinode) (a
+module of its own: the workers unpickle the graphs that use them, so it must import by name there:
+this directory is on the master's ``sys.path``, which the workers and a launcher of another host
+receive; its JAX translations import JAX, which the other tests need not).
 
 * :class:`RankSum` -- the sum of ``x`` over the ranks: ``jax.lax.psum`` over the ``synk_axis``
   that the engine passes to every Op's JAX translation; the identity in one process.  Its gradient
   is itself (the gradient of a sum over ranks is the sum of the gradients).
 * :class:`Stall` -- ``x`` unchanged after sleeping ``seconds`` on the host (a long call to kill a
-  worker during); in compute rank ``fail_rank``, when ``x`` sums to less than 0, it raises instead
-  (a failure in one rank only, after a first call has compiled the program).
+  worker or a launcher during); in compute rank ``fail_rank`` (its rank over every host), when
+  ``x`` sums to less than 0, it raises instead (a failure in one rank only, after a first call has
+  compiled the program).
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -47,8 +48,11 @@ def _rank_sum(op, synk_axis=None, **kwargs):
 
 
 def compute_rank() -> int:
-    """This process's compute rank under the engine (group rank - 1; -1 in the master)."""
-    return int(os.environ.get("SYNK_RANK", "0")) - 1
+    """This process's compute rank under the engine, over every host (-1 in the master)."""
+    from synkhronos.runtime import current
+
+    rt = current()
+    return -1 if rt is None else rt.rank
 
 
 class Stall(Op):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,14 +18,18 @@ import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
-import synk_shm
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 EXAMPLES = os.path.join(ROOT, "examples")
 SHM_DIR = "/dev/shm"
 TIMEOUT = 120
 """Seconds for any test that runs several processes (pytest.mark.timeout)."""
+
+COMM_TESTS = os.path.join(ROOT, "packages", "synk-comm", "tests")
+if COMM_TESTS not in sys.path:  # the process and /dev/shm helpers (comm_testutil)
+    sys.path.append(COMM_TESTS)
+
+from comm_testutil import assert_no_workers_left, own_entries, worker_pids  # noqa: E402, F401
 
 USE_GPU = os.environ.get("SYNK_TEST_GPU", "").strip() not in ("", "0")
 """``SYNK_TEST_GPU=1``: the suite runs in GPU mode (``use_gpu=True``; tests marked ``cpu_only`` skip)."""
@@ -56,45 +59,6 @@ def rank_counts() -> list[int]:
 
 
 # --- processes and shared memory ------------------------------------------------------------------
-
-def own_entries(prefix: str | None = None) -> list[str]:
-    """Entries of /dev/shm (segments and ``sem.`` semaphores) under ``prefix`` (default: this run's)."""
-    bare = (prefix or synk_shm.run_prefix()).lstrip("/")
-    try:
-        return sorted(e for e in os.listdir(SHM_DIR) if e.startswith((bare, "sem." + bare)))
-    except OSError:
-        return []
-
-
-def worker_pids(parent: int | None = None) -> list[int]:
-    """Live children of ``parent`` (default: this process) that run ``synk_comm.worker``."""
-    parent = os.getpid() if parent is None else parent
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2:].split()
-        state, ppid = fields[0], int(fields[1])
-        if ppid == parent and state not in (b"Z", b"X") and b"synk_comm.worker" in cmdline:
-            found.append(int(entry))
-    return sorted(found)
-
-
-def assert_no_workers_left(timeout: float = 10.0) -> None:
-    """Every worker child of this process is gone within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while worker_pids() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = worker_pids()
-    assert not left, f"worker processes still running: {left}"
-
 
 def run_script(path: str, timeout: float = 180.0, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``python path`` as a run of its own (no inherited run prefix; in GPU mode, every GPU
