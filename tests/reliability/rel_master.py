@@ -20,16 +20,18 @@ import time
 import numpy as np
 import pytensor.tensor as pt
 import reliability_ops as ro
+from reliability_lib import USE_GPU
 
 import synk_shm
 import synkhronos as synk
 from synkhronos.runtime import current
 
 mode, seconds = sys.argv[1], float(sys.argv[2])
-synk.fork(2, use_gpu=False, master_rank=1 if mode == "sigint-waiting" else 0)
+synk.fork(2, use_gpu=USE_GPU, master_rank=1 if mode == "sigint-waiting" else 0)
+MODE = "JAX" if USE_GPU else "FAST_COMPILE"
 x = pt.matrix("x", dtype="float64")
-slow = synk.function([x], (ro.SlowSum(seconds)(x), "sum"), mode="FAST_COMPILE")
-quick = synk.function([x], (ro.SlowSum(0.0)(x), "sum"), mode="FAST_COMPILE")
+slow = synk.function([x], (ro.SlowSum(seconds)(x), "sum"), mode=MODE)
+quick = synk.function([x], (ro.SlowSum(0.0)(x), "sum"), mode=MODE)
 rows = 1 if mode == "sigint-waiting" else 4  # one row: rank 0 (the worker) gets it
 X = synk.data(np.arange(2.0 * rows).reshape(rows, 2))
 want = float(X.data.sum())

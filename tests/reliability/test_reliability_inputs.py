@@ -54,7 +54,7 @@ class Env:
     """The module's group, functions, shared variables (different in each rank) and Data."""
 
     def __init__(self) -> None:
-        synk.fork(N_RANKS, use_gpu=False, max_n_var=MAX_N_VAR)
+        synk.fork(N_RANKS, use_gpu=rl.USE_GPU, max_n_var=MAX_N_VAR)
         self.group = current().group
         self.x = x = pt.matrix("x", dtype="float64")
         self.z = z = pt.matrix("z", dtype="float64")
