@@ -177,7 +177,7 @@ class Script:
     def __init__(self, path: str, *args: str) -> None:
         self.proc = subprocess.Popen([sys.executable, path, *args], env=child_env(), cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[tuple[str, float]] = queue.Queue()
+        self.lines: queue.Queue[tuple[str | None, float]] = queue.Queue()
         self.seen: list[str] = []
         self.worker_pids: list[int] = []
         self.prefix = "/synk-unknown-"  # the run prefix, once the script has printed it
@@ -191,7 +191,7 @@ class Script:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.put((line.rstrip("\n"), time.monotonic()))
-        self.lines.put(("", time.monotonic()))  # end of output
+        self.lines.put((None, time.monotonic()))  # the end of the output
 
     def _read_err(self) -> None:
         assert self.proc.stderr is not None
@@ -211,7 +211,8 @@ class Script:
                 line, at = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if line == "" and self.proc.poll() is not None and self.lines.empty():
+            if line is None:  # the end of the output: nothing more will come
+                self.lines.put((None, at))  # for the next expect
                 break
             self.seen.append(line)
             if line.startswith(startswith):
