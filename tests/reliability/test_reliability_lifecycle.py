@@ -110,7 +110,8 @@ def test_bad_fork_arguments(kwargs, match):
 
 
 @pytest.mark.reliability("input", SY)
-@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
+@pytest.mark.skipif(gpu_count() > 0, reason="needs a machine without GPUs: this one has (or emulates) "
+                                            f"{gpu_count()}")
 def test_fork_use_gpu_without_a_gpu():
     with pytest.raises(ValueError, match="no visible NVIDIA GPU"):
         synk.fork(2, use_gpu=True)
