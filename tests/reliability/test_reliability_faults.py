@@ -146,7 +146,8 @@ def assert_stopped_group(run: Run, info: pytest.ExceptionInfo[synk.WorkerError],
     from synkhronos.engine.launch import ABORT_GRACE_S
 
     request.node.user_properties.append(("seconds", round(seconds, 3)))
-    assert seconds < ABORT_GRACE_S + PROMISE_S, f"took {seconds:.2f} s; the engine promises {ABORT_GRACE_S:g} s of grace"
+    limit = ABORT_GRACE_S + PROMISE_S
+    assert seconds < limit, f"took {seconds:.2f} s; the engine promises {ABORT_GRACE_S:g} s of grace (< {limit:g} s)"
     assert info.value.ranks == [1]
     assert "the group is closed; start a new one" in "\n".join(getattr(info.value, "__notes__", []))
     assert run.group.closed
