@@ -2,12 +2,13 @@
 
 2 ranks, in CPU mode, or in GPU mode (the JAX engine) under ``SYNK_TEST_GPU=1``, the reliability
 suite's switch (:data:`reliability_lib.USE_GPU`; without GPUs add ``SYNK_EMULATE_GPUS=2
-PYTENSOR_FLAGS=floatX=float64``: GPU mode's code on JAX's CPU backend).  The function (``sum(x)``
+PYTENSOR_FLAGS=floatX=float64``: GPU mode's code on JAX's CPU backend). The function (``sum(x)``
 with ``s := s + sum(x, axis=0)`` in each rank) runs on an 8x4 float64 Data; every 100th step is a
-collective instead, in turn ``all_reduce(s, "avg")``, ``broadcast(s)``, ``gather(s)`` and an index-``batch`` call; once every 1,000 steps the call takes a
-brand-new Data (registered with the workers, dropped after), and once every 1,000 a Data that was
-just freed and filled again (a new segment, which the workers follow).  Every call's result is
-checked against numpy, and at every sample every rank's ``s`` too.
+collective instead, in turn ``all_reduce(s, "avg")``, ``broadcast(s)``, ``gather(s)`` and an
+index-``batch`` call; once every 1,000 steps the call takes a brand-new Data (registered with the
+workers, dropped after), and once every 1,000 a Data that was just freed and filled again (a new
+segment, which the workers follow). Every call's result is checked against numpy, and at every
+sample every rank's ``s`` too.
 
 Sampled after a warm-up of 2,000 calls ("start"), every 10,000 calls and at the end, from /proc and
 /dev/shm:
