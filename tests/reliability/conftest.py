@@ -11,6 +11,10 @@ finds in :data:`reliability_lib.LEAKS`).  Fault tests also record their measured
 The helpers live in :mod:`reliability_lib` and :mod:`reliability_ops` (not here: every test
 directory of the monorepo runs in one pytest session, where the name ``conftest`` is not unique);
 this directory goes on ``sys.path`` so that they import by name, in the workers too.
+
+``SYNK_TEST_GPU=1`` runs every scenario in GPU mode (:data:`reliability_lib.USE_GPU`, the rule of
+the synkhronos suite); scenarios that mean nothing there skip with their reason.  The table's title
+names the mode.
 """
 
 from __future__ import annotations
@@ -85,6 +89,16 @@ def summary_rows() -> list[tuple[str, ...]]:
     return rows
 
 
+def mode_name() -> str:
+    """The mode the suite ran in, for the table's title."""
+    if not rl.USE_GPU:
+        return "CPU mode"
+    from synkhronos.emulation import emulated_gpus
+
+    where = f"emulated on JAX's CPU devices (SYNK_EMULATE_GPUS={emulated_gpus()})" if emulated_gpus() else "on GPUs"
+    return f"GPU mode ({'the JAX engine' if rl.ON_ENGINE else 'the per-rank engine'}), {where}"
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     if not _OUTCOMES:
         return
@@ -96,7 +110,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     tr = terminalreporter
-    tr.section("reliability summary")
+    tr.section(f"reliability summary, {mode_name()}")
     tr.write_line(line(header))
     tr.write_line("  ".join("-" * w for w in widths))
     for row in rows:
