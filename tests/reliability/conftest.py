@@ -56,6 +56,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         entry["outcome"] = "failed"
     elif report.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
+        longrepr = report.longrepr
+        entry["reason"] = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
     for name, value in item.user_properties:
         if name == "seconds":
             entry["seconds"] = value
@@ -73,7 +75,8 @@ def reliability_nothing_left():
 
 
 def summary_rows() -> list[tuple[str, ...]]:
-    """The rows of the summary table: per (kind, package), tried / held / xfail / failed / slowest."""
+    """The rows of the summary table: per (kind, package), tried / held / xfail / failed / skipped
+    (a scenario that means nothing in this mode: its reason is printed under the table) / slowest."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for entry in _OUTCOMES.values():
         groups[(entry["kind"], entry["package"])].append(entry)
@@ -85,7 +88,8 @@ def summary_rows() -> list[tuple[str, ...]]:
         times = [e["seconds"] for e in entries if e["seconds"] is not None]
         label = "bad input kinds" if kind == "input" else "faults"
         rows.append((label, package, str(len(entries)), str(count["passed"]), str(count["xfailed"]),
-                     str(count["failed"] + count["xpassed"]), f"{max(times):.2f}" if times else "-"))
+                     str(count["failed"] + count["xpassed"]), str(count["skipped"]),
+                     f"{max(times):.2f}" if times else "-"))
     return rows
 
 
@@ -103,7 +107,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if not _OUTCOMES:
         return
     rows = summary_rows()
-    header = ("what", "package", "tried", "held", "xfail", "failed", "slowest s")
+    header = ("what", "package", "tried", "held", "xfail", "failed", "skipped", "slowest s")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: tuple[str, ...]) -> str:
@@ -118,12 +122,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     inputs = [e for e in _OUTCOMES.values() if e["kind"] == "input"]
     faults = [e for e in _OUTCOMES.values() if e["kind"] == "fault"]
     survived = sum(e["outcome"] == "passed" for e in faults)
+    skipped = [(nodeid.split("::", 1)[1], e) for nodeid, e in _OUTCOMES.items() if e["outcome"] == "skipped"]
+    ran = len(faults) - sum(e["outcome"] == "skipped" for e in faults)
     tr.write_line(f"bad input kinds tried: {len(inputs)} (held: {sum(e['outcome'] == 'passed' for e in inputs)}); "
-                  f"faults survived (promise held): {survived} of {len(faults)} "
+                  f"faults survived (promise held): {survived} of {ran} run "
                   f"(xfail, a broken promise: {sum(e['outcome'] == 'xfailed' for e in faults + inputs)}); "
                   f"leaks found: {len(rl.LEAKS)}")
     for what, left in rl.LEAKS:
         tr.write_line(f"  leak: {what}: {left}")
+    if skipped:
+        tr.write_line(f"skipped in {mode_name()}:")
+        for name, e in skipped:
+            tr.write_line(f"  {name}: {e.get('reason', '')}")
     timed = [(nodeid.split("::", 1)[1], e) for nodeid, e in _OUTCOMES.items() if e["seconds"] is not None]
     if timed:
         tr.write_line("faults, seconds until the error (or the end of the dead master's workers):")
