@@ -1,13 +1,14 @@
 """A synkhronos master run as a subprocess by the fault tests: ``python rel_master.py MODE SECONDS``.
 
-It forks 2 CPU ranks, checks a quick call, prints ``pids <master> <workers...>`` and
+It forks 2 ranks (GPU mode under ``SYNK_TEST_GPU=1``: :data:`reliability_lib.USE_GPU`; the
+workers are then both ranks), checks a quick call, prints ``pids <master> <workers...>`` and
 ``prefix <run prefix>``, then:
 
 * ``idle``: prints ``ready`` and sleeps (the test signals it);
 * ``busy``: prints ``calling`` and calls a function that computes for SECONDS in every rank;
 * ``sigint-catch``: as ``busy`` inside ``try/except KeyboardInterrupt``; prints ``interrupted``,
   then ``result <value>`` of the next call (which must be right), then ``done``;
-* ``sigint-waiting``: the master (rank 1) has no rows, so it waits for the worker (rank 0)
+* ``sigint-waiting`` (CPU mode only): the master (rank 1) has no rows, so it waits for the worker (rank 0)
   computing for SECONDS; on KeyboardInterrupt prints ``interrupted``, ``result``, ``done``.
 
 No main guard on purpose: synkhronos must never re-run this file in a worker.
