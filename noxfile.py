@@ -8,7 +8,8 @@
     nox -s demo         the main job (see README)
     nox -s bench        the benchmarks under benchmarks/ (figures go to benchmarks/RESULTS.md)
     nox -s docs         the Sphinx site (warnings are errors)
-    nox -s reliability  bad-input and fault suites with their summary table, then the soak
+    nox -s reliability  bad-input and fault suites with their summary table, then the soak; in CPU
+                        mode, then in GPU mode (on the GPUs, else emulated on JAX's CPU devices)
 
 Each session builds its own environment and installs the packages from their own metadata
 (``packages/*/pyproject.toml``), never from what happens to be installed on the machine.
@@ -152,8 +153,26 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=ONE_PYTHON)
 def reliability(session: nox.Session) -> None:
     """Bad-input and fault-injection suites (tests/reliability, with their summary table), then the
-    100,000-call soak (benchmarks/soak.py: memory, file descriptors and /dev/shm stay flat)."""
-    install_packages(session, *TEST_DEPS)
-    session.run("pytest", str(ROOT / "tests" / "reliability"), *session.posargs,
-                env={"PYTHONUNBUFFERED": "1"})
-    session.run("python", str(ROOT / "benchmarks" / "soak.py"), env={"PYTHONUNBUFFERED": "1"})
+    100,000-call soak (benchmarks/soak.py: memory, file descriptors and /dev/shm stay flat), in CPU
+    mode; then both again in GPU mode (``SYNK_TEST_GPU=1``, the JAX engine): on the GPUs when 2 or
+    more are visible, else on JAX's CPU devices (``SYNK_EMULATE_GPUS=2``), the soak there 20,000
+    calls (about 2 ms a step emulated: 100,000 would take 4 minutes).  Each suite prints its table."""
+    theano = ROOT / "packages" / "synk-theano"
+    install_packages(session, f"{theano}[cpu]", *TEST_DEPS)  # JAX: CPU mode's default backend, as in ``tests``
+    suite, soak = str(ROOT / "tests" / "reliability"), str(ROOT / "benchmarks" / "soak.py")
+    env = {"PYTHONUNBUFFERED": "1"}
+    session.log("reliability: CPU mode")
+    session.run("pytest", suite, *session.posargs, env=env)
+    session.run("python", soak, env=env)
+    count = session.run("python", "-c", "from synkhronos.forking import gpu_count; print(gpu_count())",
+                        silent=True, env={"SYNK_EMULATE_GPUS": ""})
+    gpus = int(str(count).strip().splitlines()[-1])
+    gpu_env = {**env, "SYNK_TEST_GPU": "1", "PYTENSOR_FLAGS": "floatX=float64"}
+    if gpus >= 2:
+        session.install(f"{theano}[gpu]")
+        session.log(f"reliability: GPU mode, the JAX engine on {gpus} GPUs")
+    else:
+        gpu_env["SYNK_EMULATE_GPUS"] = "2"
+        session.log(f"reliability: GPU mode, the JAX engine emulated on JAX's CPU devices ({gpus} GPU(s) visible)")
+    session.run("pytest", suite, *session.posargs, env=gpu_env)
+    session.run("python", soak, "--calls", "20000", "--sample", "5000", env=gpu_env)

@@ -1,11 +1,14 @@
 """Soak: 100,000 calls of a small synkhronos function, a collective every 100 calls, nothing grows.
 
-CPU mode, 2 ranks.  The function (``sum(x)`` with ``s := s + sum(x, axis=0)`` in each rank) runs on
-an 8x4 float64 Data; every 100th step is a collective instead, in turn ``all_reduce(s, "avg")``,
-``broadcast(s)``, ``gather(s)`` and an index-``batch`` call; once every 1,000 steps the call takes a
-brand-new Data (registered with the workers, dropped after), and once every 1,000 a Data that was
-just freed and filled again (a new segment, which the workers follow).  Every call's result is
-checked against numpy, and at every sample every rank's ``s`` too.
+2 ranks, in CPU mode, or in GPU mode (the JAX engine) under ``SYNK_TEST_GPU=1``, the reliability
+suite's switch (:data:`reliability_lib.USE_GPU`; without GPUs add ``SYNK_EMULATE_GPUS=2
+PYTENSOR_FLAGS=floatX=float64``: GPU mode's code on JAX's CPU backend). The function (``sum(x)``
+with ``s := s + sum(x, axis=0)`` in each rank) runs on an 8x4 float64 Data; every 100th step is a
+collective instead, in turn ``all_reduce(s, "avg")``, ``broadcast(s)``, ``gather(s)`` and an
+index-``batch`` call; once every 1,000 steps the call takes a brand-new Data (registered with the
+workers, dropped after), and once every 1,000 a Data that was just freed and filled again (a new
+segment, which the workers follow). Every call's result is checked against numpy, and at every
+sample every rank's ``s`` too.
 
 Sampled after a warm-up of 2,000 calls ("start"), every 10,000 calls and at the end, from /proc and
 /dev/shm:
@@ -20,6 +23,7 @@ it exits with status 1 if anything grew.
 
     python benchmarks/soak.py                # 100,000 calls (about a minute on 2 cores)
     python benchmarks/soak.py --calls 20000  # a shorter run
+    SYNK_TEST_GPU=1 python benchmarks/soak.py --calls 20000  # GPU mode
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ import pytensor.tensor as pt
 import synk_shm
 import synkhronos as synk
 from synkhronos.runtime import current
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "reliability"))
+from reliability_lib import USE_GPU  # the reliability suite's switch of GPU mode
 
 SHM_DIR = "/dev/shm"
 RSS_GROWTH_LIMIT = 0.05
@@ -88,7 +95,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2_000)
     args = parser.parse_args()
 
-    n = synk.fork(2, use_gpu=False)
+    n = synk.fork(2, use_gpu=USE_GPU)
     pids = [os.getpid(), *(p.pid for p in current().group._procs.values())]
     x = pt.matrix("x", dtype="float64")
     s = pytensor.shared(np.zeros(4), name="s")
@@ -136,7 +143,8 @@ def main() -> int:
     for i in range(1, args.warmup + 1):
         step(i)
     print(f"soak: {args.calls} calls of a small synkhronos function, a collective every {args.every} calls, "
-          f"CPU mode, {n} ranks (pids {pids}), after a warm-up of {args.warmup} calls")
+          f"{'GPU' if USE_GPU else 'CPU'} mode, {n} ranks (pids {pids}: the master, then the workers), after a "
+          f"warm-up of {args.warmup} calls")
     print(f"{'calls':>8}  {'seconds':>8}  {'master MiB':>9}  {'worker MiB':>11}  {'total MiB':>9}  "
           f"{'fds':>9}  {'shm entries':>11}  {'shm KiB':>10}")
     t0 = time.perf_counter()

@@ -1,13 +1,14 @@
 """A synkhronos master run as a subprocess by the fault tests: ``python rel_master.py MODE SECONDS``.
 
-It forks 2 CPU ranks, checks a quick call, prints ``pids <master> <workers...>`` and
+It forks 2 ranks (GPU mode under ``SYNK_TEST_GPU=1``: :data:`reliability_lib.USE_GPU`; the
+workers are then both ranks), checks a quick call, prints ``pids <master> <workers...>`` and
 ``prefix <run prefix>``, then:
 
 * ``idle``: prints ``ready`` and sleeps (the test signals it);
 * ``busy``: prints ``calling`` and calls a function that computes for SECONDS in every rank;
 * ``sigint-catch``: as ``busy`` inside ``try/except KeyboardInterrupt``; prints ``interrupted``,
   then ``result <value>`` of the next call (which must be right), then ``done``;
-* ``sigint-waiting``: the master (rank 1) has no rows, so it waits for the worker (rank 0)
+* ``sigint-waiting`` (CPU mode only): the master (rank 1) has no rows, so it waits for the worker (rank 0)
   computing for SECONDS; on KeyboardInterrupt prints ``interrupted``, ``result``, ``done``.
 
 No main guard on purpose: synkhronos must never re-run this file in a worker.
@@ -21,6 +22,7 @@ import time
 import numpy as np
 import pytensor.tensor as pt
 import reliability_ops as ro
+from reliability_lib import USE_GPU
 
 import synk_shm
 import synkhronos as synk
@@ -31,10 +33,11 @@ from synkhronos.runtime import current
 # so does Python).
 signal.signal(signal.SIGINT, signal.default_int_handler)
 mode, seconds = sys.argv[1], float(sys.argv[2])
-synk.fork(2, use_gpu=False, master_rank=1 if mode == "sigint-waiting" else 0)
+synk.fork(2, use_gpu=USE_GPU, master_rank=1 if mode == "sigint-waiting" else 0)
+MODE = "JAX" if USE_GPU else "FAST_COMPILE"
 x = pt.matrix("x", dtype="float64")
-slow = synk.function([x], (ro.SlowSum(seconds)(x), "sum"), mode="FAST_COMPILE")
-quick = synk.function([x], (ro.SlowSum(0.0)(x), "sum"), mode="FAST_COMPILE")
+slow = synk.function([x], (ro.SlowSum(seconds)(x), "sum"), mode=MODE)
+quick = synk.function([x], (ro.SlowSum(0.0)(x), "sum"), mode=MODE)
 rows = 1 if mode == "sigint-waiting" else 4  # one row: rank 0 (the worker) gets it
 X = synk.data(np.arange(2.0 * rows).reshape(rows, 2))
 want = float(X.data.sum())

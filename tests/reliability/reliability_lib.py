@@ -36,6 +36,15 @@ FAULT_ENV = "SYNK_REL_FAULT_FILE"
 PROMISE_S = 2.0
 """Seconds within which DESIGN.md promises a fault to surface (and a dead master's workers to go)."""
 
+# The same rule as the synkhronos suite's (packages/synk-theano/tests/synk_testutil.py, not imported:
+# it imports PyTensor, and workers import this module).
+USE_GPU = os.environ.get("SYNK_TEST_GPU", "").strip() not in ("", "0")
+"""``SYNK_TEST_GPU=1``: every scenario forks in GPU mode (``use_gpu=True``); without GPUs, run it with
+``SYNK_EMULATE_GPUS=2 PYTENSOR_FLAGS=floatX=float64`` (GPU mode's code on JAX's CPU backend)."""
+ON_ENGINE = (os.environ.get("SYNK_ENGINE", "").strip() or ("jax" if USE_GPU else "ranks")) == "jax"
+"""Whether forks run on the JAX engine (GPU mode's default; ``SYNK_ENGINE`` chooses): the master
+computes nothing, every rank is a worker process (group rank ``r + 1`` computes rank ``r``'s share)."""
+
 
 # --- leaks and commands --------------------------------------------------------------------------
 
@@ -123,7 +132,7 @@ class Script:
     def __init__(self, path: str, *args: str) -> None:
         self.proc = subprocess.Popen([sys.executable, path, *args], env=child_env(), cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[tuple[str, float]] = queue.Queue()
+        self.lines: queue.Queue[tuple[str | None, float]] = queue.Queue()
         self.seen: list[str] = []
         self.worker_pids: list[int] = []
         self.prefix = "/synk-unknown-"  # the run prefix, once the script has printed it
@@ -137,7 +146,7 @@ class Script:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.put((line.rstrip("\n"), time.monotonic()))
-        self.lines.put(("", time.monotonic()))  # end of output
+        self.lines.put((None, time.monotonic()))  # the end of the output
 
     def _read_err(self) -> None:
         assert self.proc.stderr is not None
@@ -157,7 +166,8 @@ class Script:
                 line, at = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if line == "" and self.proc.poll() is not None and self.lines.empty():
+            if line is None:  # the end of the output: nothing more will come
+                self.lines.put((None, at))  # for the next expect
                 break
             self.seen.append(line)
             if line.startswith(startswith):
@@ -250,4 +260,4 @@ def _fork_in_worker(group: synk_comm.Group, payload: Any) -> None:
     if not group.is_master:
         import synkhronos
 
-        synkhronos.fork(2, use_gpu=False)
+        synkhronos.fork(2, use_gpu=USE_GPU)

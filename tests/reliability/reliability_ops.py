@@ -12,7 +12,8 @@ Fault injection
     ``{"where": ..., "rank": r, "action": "raise" | "kill"}``.  Rank ``r`` removes the file (a
     fault fires once) and raises :class:`InjectedFault`, or SIGKILLs itself.  ``where`` is a
     collective's name (``"all_reduce"``, ``"broadcast"``...), ``"all_reduce/1"`` (between the first
-    and the second variable of an all_reduce of several), ``"distribute"`` or ``"call"``.
+    and the second variable of an all_reduce of several), ``"distribute"`` or ``"call"``; on the
+    engine, a collective program's kind (see below).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.tensor.type import TensorType
-from reliability_lib import FAULT_ENV, InjectedFault
+from reliability_lib import FAULT_ENV, ON_ENGINE, USE_GPU, InjectedFault
 
 import synk_comm
 
@@ -91,8 +92,29 @@ def _install_collective_faults() -> None:
         collectives._LOCAL[name] = wrapped
 
 
+def _install_engine_collective_faults() -> None:
+    """The engine's fault points: every collective program of a worker, named by its kind
+    (``"broadcast"``, ``"reduce"`` for reduce and all_reduce, ``"all_gather"``), fired before it runs.
+    (The worker's command table is fixed when it starts serving, before this module is imported:
+    the program builder is wrapped, not the ``COLLECT`` handler.)"""
+    from synkhronos.engine import collectives as engine_collectives
+
+    local = engine_collectives._jitted
+    if getattr(local, "rel_wrapped", False):
+        return
+
+    def wrapped(rt: Any, key: tuple[Any, ...], *args: Any, **kwargs: Any) -> Any:
+        fire(str(key[0]))
+        return local(rt, key, *args, **kwargs)
+
+    wrapped.rel_wrapped = True  # type: ignore[attr-defined]
+    engine_collectives._jitted = wrapped
+
+
 if os.environ.get("SYNK_RANK") is not None and os.environ.get(FAULT_ENV):
     _install_collective_faults()
+    if ON_ENGINE:
+        _install_engine_collective_faults()
 
 
 class Probe(Op):
@@ -108,8 +130,11 @@ class Probe(Op):
         return Apply(self, [x], [x.type()])
 
     def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        output_storage[0][0] = self.compute(inputs[0])
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
         fire("call")
-        output_storage[0][0] = np.array(inputs[0], copy=True)
+        return np.array(x, copy=True)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         fire("distribute")  # unpickled in the workers only: while the graph is distributed
@@ -131,13 +156,15 @@ class SlowSum(Op):
         return Apply(self, [x], [TensorType(x.type.dtype, shape=())()])
 
     def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
-        (x,) = inputs
+        output_storage[0][0] = self.compute(inputs[0])
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
         if len(x):
             a = np.full((64, 64), 0.01)
             end = time.perf_counter() + self.seconds
             while time.perf_counter() < end:
                 a = np.tanh(a @ a)
-        output_storage[0][0] = np.asarray(x.sum(), dtype=x.dtype)
+        return np.asarray(x.sum(), dtype=x.dtype)
 
 
 class ForkInWorker(Op):
@@ -153,9 +180,37 @@ class ForkInWorker(Op):
         return Apply(self, [x], [x.type()])
 
     def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        output_storage[0][0] = self.compute(inputs[0])
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
         group = synk_comm.current_group()
         if group is not None and not group.is_master:
             import synkhronos
 
-            synkhronos.fork(2, use_gpu=False)
-        output_storage[0][0] = np.array(inputs[0], copy=True)
+            synkhronos.fork(2, use_gpu=USE_GPU)
+        return np.array(x, copy=True)
+
+
+def _register_jax() -> None:
+    """The JAX form of each Op here: a host callback that runs its ``compute`` (the engine runs a
+    call as one JAX program, in which ``perform`` never runs)."""
+    try:
+        import jax
+        from pytensor.link.jax.dispatch import jax_funcify
+    except ImportError:  # no JAX: CPU mode's per-rank engine needs none
+        return
+
+    def funcify(op: Any, node: Any, **kwargs: Any) -> Any:
+        out = node.outputs[0].type
+
+        def fn(x: Any) -> Any:
+            shape = x.shape if out.ndim else ()
+            return jax.pure_callback(op.compute, jax.ShapeDtypeStruct(shape, out.dtype), x)
+
+        return fn
+
+    for cls in (Probe, SlowSum, ForkInWorker):
+        jax_funcify.register(cls)(funcify)
+
+
+_register_jax()

@@ -40,11 +40,20 @@ from synkhronos.runtime import current
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:Numba will use object mode")]
 PROMISE_S = rl.PROMISE_S
+ENGINE = rl.ON_ENGINE
+"""GPU mode's engine: every rank is a worker, a call is one JAX program (the Ops of
+:mod:`reliability_ops` run as host callbacks in it), a collective is one program too."""
+REDUCE_AT = "reduce" if ENGINE else "all_reduce"
+"""The fault point of an all_reduce (see :mod:`reliability_ops`)."""
+RAISED = r"(?s)rank 1 raised .*InjectedFault" if ENGINE else "rank 1 raised InjectedFault"
+"""A fault raised in a call: on the engine JAX wraps the callback's exception (its message and
+traceback follow), in CPU mode the worker raises it as it is."""
 MASTER = os.path.join(rl.HERE, "rel_master.py")
 SY, CM = "synkhronos", "synk_comm"
-MODE = "FAST_COMPILE"
+MODE = "JAX" if rl.USE_GPU else "FAST_COMPILE"
 """PyTensor mode of the functions here: what is tested is processes, not code generation, and
-PyTensor's default (Numba) compiles these Python Ops for seconds in every new process."""
+PyTensor's default (Numba) compiles these Python Ops for seconds in every new process.  GPU mode
+compiles with JAX only."""
 
 
 @dataclass
@@ -78,7 +87,7 @@ class Run:
 
 
 def build_run(fault_file: str) -> Run:
-    synk.fork(2, use_gpu=False)
+    synk.fork(2, use_gpu=rl.USE_GPU)
     group = current().group
     x = pt.matrix("x", dtype="float64")
     a = pytensor.shared(np.zeros(3), name="a")
@@ -129,9 +138,35 @@ def assert_dead_group(run: Run, info: pytest.ExceptionInfo[synk.WorkerDiedError]
     fresh.X.free_memory()
 
 
+def assert_stopped_group(run: Run, info: pytest.ExceptionInfo[synk.WorkerError], seconds: float,
+                         request: pytest.FixtureRequest) -> None:
+    """The engine's promise for a worker that raises alone inside a program (the GPU guide): the
+    others wait in its collectives, so after ``ABORT_GRACE_S`` the master stops the group and
+    raises the worker's error, saying so; nothing is left and a new group works."""
+    from synkhronos.engine.launch import ABORT_GRACE_S
+
+    request.node.user_properties.append(("seconds", round(seconds, 3)))
+    limit = ABORT_GRACE_S + PROMISE_S
+    assert seconds < limit, f"took {seconds:.2f} s; the engine promises {ABORT_GRACE_S:g} s of grace (< {limit:g} s)"
+    assert info.value.ranks == [1]
+    assert "the group is closed; start a new one" in "\n".join(getattr(info.value, "__notes__", []))
+    assert run.group.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        run.f(run.X)
+    rl.check_no_leak("workers after a stopped group", rl.wait_gone(run.pids, PROMISE_S))
+    rl.check_no_leak("/dev/shm entries after a stopped group", rl.wait_no_entries(run.prefix, PROMISE_S))
+    synk.close()
+    fresh = build_run(run.fault_file)
+    synk.close()
+    fresh.X.free_memory()
+
+
 # --- a worker raises --------------------------------------------------------------------------------
 
 @pytest.mark.reliability("fault", SY)
+@pytest.mark.skipif(ENGINE, reason="GPU mode compiles with JAX, whose form of PyTensor's Assert checks nothing "
+                                   "(a compiled program cannot raise on data); a raise inside a call is "
+                                   "test_worker_raises_inside_a_chain")
 def test_worker_raises_inside_a_function(run, request):
     """A data-dependent assertion fails in rank 1 only (its rows hold a negative number)."""
     x = pt.matrix("x", dtype="float64")
@@ -155,12 +190,23 @@ def test_worker_raises_inside_a_function(run, request):
 
 
 @pytest.mark.reliability("fault", SY)
-def test_worker_raises_inside_a_collective(run, request):
+@pytest.mark.parametrize("after", ["program", "per-rank"], ids=["after a call", "after a per-rank call"])
+def test_worker_raises_inside_a_collective(run, request, after):
+    """Rank 1 raises as the all_reduce starts: in CPU mode before it reduced (no rank changed
+    anything, the group survives); on the engine rank 0 waits inside the program, so the group
+    stops after the grace (:func:`assert_stopped_group`), whatever kind of call came before (a
+    call that ran per rank too: the grace belongs to the collective, not to the last call)."""
+    if after == "per-rank":
+        a, b = run.values()  # each slice sums a and b once more
+        assert run.f(run.X, num_slices=2) == pytest.approx(run.xd.sum() + 2 * (a.sum() + b.sum()), rel=1e-12)
     before = run.values()
-    run.arm("all_reduce", "raise")
+    run.arm(REDUCE_AT, "raise")
     t0 = time.monotonic()
     with pytest.raises(synk.WorkerError, match="rank 1 raised InjectedFault") as info:
         synk.all_reduce([run.a, run.b], op="sum")
+    if ENGINE:
+        assert_stopped_group(run, info, time.monotonic() - t0, request)
+        return
     record(request, time.monotonic() - t0)
     assert info.value.ranks == [1] and "reliability_ops.py" in info.value.errors[0].traceback
     for v, w in zip(run.values(), before):  # rank 1 raised before it reduced: no rank changed anything
@@ -184,14 +230,19 @@ def _chain(run: Run) -> tuple[synk.Chain, pytensor.compile.SharedVariable]:
 @pytest.mark.reliability("fault", SY)
 def test_worker_raises_inside_a_chain(run, request):
     """Rank 1 raises in the chain's first call: the master stops at the barrier before the
-    all-reduce (no rank is left inside it), ``then`` runs nowhere, and the group goes on."""
+    all-reduce (no rank is left inside it), ``then`` runs nowhere, and the group goes on.  On the
+    engine the first call is one program in which rank 0 waits for rank 1: the group stops after
+    the grace (:func:`assert_stopped_group`)."""
     step, _ = _chain(run)
     synk.distribute()
     a_before, _ = run.values()
     run.arm("call", "raise")
     t0 = time.monotonic()
-    with pytest.raises(synk.WorkerError, match="rank 1 raised InjectedFault") as info:
+    with pytest.raises(synk.WorkerError, match=RAISED) as info:
         step(run.X)
+    if ENGINE:  # rank 0 waits inside the program for rank 1
+        assert_stopped_group(run, info, time.monotonic() - t0, request)
+        return
     record(request, time.monotonic() - t0)
     assert info.value.ranks == [1]
     np.testing.assert_array_equal(run.values()[0], a_before)  # then ran in no rank
@@ -288,8 +339,10 @@ def test_worker_killed_early_in_a_long_call(run, request):
 
 @pytest.mark.reliability("fault", SY)
 def test_worker_killed_during_a_collective(run, request):
-    """Rank 1 dies inside all_reduce([a, b]), after a and before b, while the master waits at b's barrier."""
-    run.arm("all_reduce/1", "kill")
+    """Rank 1 dies inside all_reduce([a, b]), after a and before b, while the master waits at b's
+    barrier; on the engine (one program reduces both), as the program starts, while rank 0 waits
+    inside it."""
+    run.arm("reduce" if ENGINE else "all_reduce/1", "kill")
     t0 = time.monotonic()
     with pytest.raises(synk.WorkerDiedError) as info:
         synk.all_reduce([run.a, run.b], op="sum")
@@ -360,7 +413,7 @@ def master(request) -> Iterator[rl.Script]:
     try:
         line, _ = script.expect("pids", 120)
         pids = [int(p) for p in line.split()[1:]]
-        assert pids[0] == script.pid and len(pids) == 2
+        assert pids[0] == script.pid and len(pids) == (3 if ENGINE else 2)  # the engine's master is no rank
         script.worker_pids = pids[1:]
         script.prefix = script.expect("prefix", 10)[0].split()[1]
         yield script
@@ -411,8 +464,12 @@ def test_master_sigterm_while_idle(master, request):
 
 
 @pytest.mark.reliability("fault", SY)
-@pytest.mark.parametrize("master", [("sigint-catch", 3.0), ("sigint-waiting", 3.0)], indirect=True,
-                         ids=["master computing", "master waiting for a worker"])
+@pytest.mark.parametrize("master", [
+    ("sigint-catch", 3.0),
+    pytest.param(("sigint-waiting", 3.0), marks=pytest.mark.skipif(
+        ENGINE, reason="GPU mode's master computes no share and is no rank (master_rank has no meaning): "
+                       "it always waits for the workers, as 'master computing' tests there")),
+], indirect=True, ids=["master computing", "master waiting for a worker"])
 def test_sigint_during_a_long_call_caught_then_next_call(master, request):
     """Ctrl-C 0.5 s into a 3 s call: KeyboardInterrupt within 2 s; the script catches it, and its
     next call (which first waits for the workers to finish the interrupted one) is right."""

@@ -59,7 +59,7 @@ def test_calls_after_close_then_fork_again():
     """After close(): a call of a function of the closed group, a collective and synk.data are
     RuntimeErrors; the Data keep their values; after fork() the old function is refused (it belongs
     to the closed group) and a new one computes on the same Data."""
-    synk.fork(2, use_gpu=False)
+    synk.fork(2, use_gpu=rl.USE_GPU)
     x = pt.matrix("x", dtype="float64")
     s = pytensor.shared(np.arange(3.0), name="s")
     f = synk.function([x], (pt.sum(x) + pt.sum(s), "sum"))
@@ -72,7 +72,7 @@ def test_calls_after_close_then_fork_again():
             call()
     np.testing.assert_array_equal(X.data, xd)
     np.testing.assert_array_equal(s.get_value(), np.arange(3.0))
-    synk.fork(2, use_gpu=False)
+    synk.fork(2, use_gpu=rl.USE_GPU)
     with pytest.raises(RuntimeError, match="built for a group that is closed"):
         f(X)
     g = synk.function([x], (pt.sum(x) + pt.sum(s), "sum"))
@@ -82,13 +82,13 @@ def test_calls_after_close_then_fork_again():
 
 @pytest.mark.reliability("input", SY)
 def test_fork_twice():
-    synk.fork(2, use_gpu=False)
+    synk.fork(2, use_gpu=rl.USE_GPU)
     group = current().group
     pids = rl.group_worker_pids(group)
     x = pt.matrix("x", dtype="float64")
     f = synk.function([x], (pt.sum(x), "sum"))
     with pytest.raises(RuntimeError, match=r"already forked: call synk.close\(\)"):
-        synk.fork(2, use_gpu=False)
+        synk.fork(2, use_gpu=rl.USE_GPU)
     assert current().group is group and rl.group_worker_pids(group) == pids
     assert rl.worker_pids() == pids
     X = synk.data(np.ones((4, 2)))
@@ -105,12 +105,13 @@ def test_fork_twice():
 @pytest.mark.reliability("input", SY)
 def test_bad_fork_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        synk.fork(use_gpu=False, **kwargs)
+        synk.fork(use_gpu=rl.USE_GPU, **kwargs)
     assert current() is None and rl.worker_pids() == []
 
 
 @pytest.mark.reliability("input", SY)
-@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
+@pytest.mark.skipif(gpu_count() > 0, reason="needs a machine without GPUs: this one has (or emulates) "
+                                            f"{gpu_count()}")
 def test_fork_use_gpu_without_a_gpu():
     with pytest.raises(ValueError, match="no visible NVIDIA GPU"):
         synk.fork(2, use_gpu=True)

@@ -38,6 +38,7 @@ import numpy as np
 from synk_comm import Group, handler
 from synkhronos.calls import normalise_positions
 from synkhronos.engine import COLLECT
+from synkhronos.engine.launch import ABORT_GRACE_S
 from synkhronos.engine.program import AXIS, _shard_map
 from synkhronos.engine.program import _reduce as _over_ranks
 from synkhronos.runtime import Runtime, current
@@ -59,7 +60,9 @@ _REPLIES = ("shapes", "read", "get", "reduce")
 
 def _command(rt: Runtime, action: str, sids: list[int], arg: Any = None) -> list[list[Any]]:
     """One ``COLLECT`` command; every compute rank's reply, in rank order ([] for an action
-    without replies)."""
+    without replies).  A worker that fails alone inside a collective's program leaves the others
+    waiting in it: the master stops the group after the grace (whatever the last call set)."""
+    rt.group.abort_grace_s = ABORT_GRACE_S
     with rt.group.command(COLLECT, (action, sids, arg)):
         pass
     if action not in _REPLIES:
