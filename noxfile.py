@@ -99,9 +99,10 @@ def tests(session: nox.Session) -> None:
     if session.python == "3.12" and not session.posargs:
         # GPU mode's code paths on JAX's CPU devices: the whole suite on the JAX engine (GPU mode's
         # engine), its workers joined by JAX's multi-process runtime, collectives over gloo -- what
-        # CI can check of GPU mode; test_synk_engine.py also runs the engine in 2 and 3 workers.
+        # CI can check of GPU mode; test_synk_engine.py also runs the engine in 2 and 3 workers; the
+        # reliability suites' bad inputs and faults on the engine (about 80 s).
         # (JAX came with synk-theano[cpu].)
-        session.run("pytest", str(ROOT / "packages" / "synk-theano" / "tests"),
+        session.run("pytest", str(ROOT / "packages" / "synk-theano" / "tests"), str(ROOT / "tests" / "reliability"),
                     env={"PYTHONUNBUFFERED": "1", "SYNK_EMULATE_GPUS": "2", "SYNK_TEST_GPU": "1",
                          "PYTENSOR_FLAGS": "floatX=float64"})
 
