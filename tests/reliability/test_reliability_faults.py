@@ -127,13 +127,19 @@ def assert_dead_group(run: Run, info: pytest.ExceptionInfo[synk.WorkerDiedError]
     """The group is closed, its workers and /dev/shm entries are gone, and a new group works."""
     assert info.value.rank == rank and info.value.returncode == -signal.SIGKILL
     assert "SIGKILL" in str(info.value) and "fork() again" in str(info.value)
+    assert_closed_then_fork_works(run, "a worker death")
+
+
+def assert_closed_then_fork_works(run: Run, after: str) -> None:
+    """The group is closed and refuses calls, its workers and /dev/shm entries are gone, and a new
+    group works (and computes the right result)."""
     assert run.group.closed
     with pytest.raises(RuntimeError, match="closed"):
         run.f(run.X)
-    rl.check_no_leak("workers after a worker death", rl.wait_gone(run.pids, PROMISE_S))
-    rl.check_no_leak("/dev/shm entries after a worker death", rl.wait_no_entries(run.prefix, PROMISE_S))
+    rl.check_no_leak(f"workers after {after}", rl.wait_gone(run.pids, PROMISE_S))
+    rl.check_no_leak(f"/dev/shm entries after {after}", rl.wait_no_entries(run.prefix, PROMISE_S))
     synk.close()
-    fresh = build_run(run.fault_file)  # a new group works (and computes the right result)
+    fresh = build_run(run.fault_file)
     synk.close()
     fresh.X.free_memory()
 
@@ -150,15 +156,7 @@ def assert_stopped_group(run: Run, info: pytest.ExceptionInfo[synk.WorkerError],
     assert seconds < limit, f"took {seconds:.2f} s; the engine promises {ABORT_GRACE_S:g} s of grace (< {limit:g} s)"
     assert info.value.ranks == [1]
     assert "the group is closed; start a new one" in "\n".join(getattr(info.value, "__notes__", []))
-    assert run.group.closed
-    with pytest.raises(RuntimeError, match="closed"):
-        run.f(run.X)
-    rl.check_no_leak("workers after a stopped group", rl.wait_gone(run.pids, PROMISE_S))
-    rl.check_no_leak("/dev/shm entries after a stopped group", rl.wait_no_entries(run.prefix, PROMISE_S))
-    synk.close()
-    fresh = build_run(run.fault_file)
-    synk.close()
-    fresh.X.free_memory()
+    assert_closed_then_fork_works(run, "a stopped group")
 
 
 # --- a worker raises --------------------------------------------------------------------------------

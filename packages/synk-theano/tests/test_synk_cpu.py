@@ -91,29 +91,36 @@ def test_jax_backend_computes_as_plain_pytensor(default_backend_choice):
         np.testing.assert_array_equal(synk.get_value(1, var), value)
 
 
+def all_reduced_step(n_ranks: int) -> tuple:
+    """The regression step with its gradients all-reduced (avg) in the graph, in a fork of
+    ``n_ranks`` CPU ranks, and plain PyTensor's full-batch step as its reference:
+    ``(f, params, reference, reference_params, (x_data, y_data), (xs, ys))``."""
+    from synkhronos import ops
+
+    xd, yd = data()
+    ref_inputs, ref_loss, _, ref_params = regression_step()
+    ref_grads = pytensor.grad(ref_loss, list(ref_params))
+    reference = pytensor.function(ref_inputs, ref_loss,
+                                  updates=[(v, v - 0.5 * g) for v, g in zip(ref_params, ref_grads)])
+    inputs, loss, _, params = regression_step()
+    grads = [ops.all_reduce(g, "avg") for g in pytensor.grad(loss, list(params))]
+    synk.fork(n_ranks, use_gpu=False)
+    f = synk.function(inputs, outputs=(loss, "avg"), updates=[(v, v - 0.5 * g) for v, g in zip(params, grads)])
+    return f, params, reference, ref_params, (synk.data(xd), synk.data(yd)), (xd, yd)
+
+
 @needs_jax
 def test_a_graph_with_in_graph_collectives_compiles_in_the_default_mode(default_backend_choice):
     """In-graph collectives run through ``perform`` (the shared-memory collectives, called directly),
     never as JAX host callbacks on a pinned rank's one XLA thread; the step equals plain PyTensor's
     full-batch step (the all-reduced avg gradient), 300 calls without a stall."""
-    from synkhronos import ops
-
-    xd, yd = data()
-    ref_inputs, ref_loss, _, (ref_w, ref_b) = regression_step()
-    ref_grads = pytensor.grad(ref_loss, [ref_w, ref_b])
-    reference = pytensor.function(ref_inputs, ref_loss,
-                                  updates=[(v, v - 0.5 * g) for v, g in zip((ref_w, ref_b), ref_grads)])
-    inputs, loss, _, (w, b) = regression_step()
-    grads = [ops.all_reduce(g, "avg") for g in pytensor.grad(loss, [w, b])]
-    synk.fork(2, use_gpu=False)
-    f = synk.function(inputs, outputs=(loss, "avg"), updates=[(v, v - 0.5 * g) for v, g in zip((w, b), grads)])
-    x_data, y_data = synk.data(xd), synk.data(yd)
+    f, params, reference, ref_params, datas, arrays = all_reduced_step(2)
     for _ in range(300):
-        got = float(f(x_data, y_data))
-        expected = float(reference(xd, yd))
+        got = float(f(*datas))
+        expected = float(reference(*arrays))
     assert current().device.backend == "jax" and getattr(f._replica.full(), "mode", None) != "JAX"
     np.testing.assert_allclose(got, expected, rtol=1e-9)
-    for var, ref in ((w, ref_w), (b, ref_b)):
+    for var, ref in zip(params, ref_params):
         np.testing.assert_allclose(var.get_value(), ref.get_value(), rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(synk.get_value(1, var), ref.get_value(), rtol=1e-9, atol=1e-12)
 
@@ -124,26 +131,16 @@ def test_with_one_rank_a_graph_with_in_graph_collectives_compiles_in_jax(default
     mode the benchmark MLP's step was 3.6x slower than plain PyTensor JAX), and the step equals plain
     PyTensor's; synk_lasagne's train function takes it (no chain)."""
     from synk_lasagne import make_train_function, updates
-    from synkhronos import ops
 
-    xd, yd = data()
-    ref_inputs, ref_loss, _, (ref_w, ref_b) = regression_step()
-    ref_grads = pytensor.grad(ref_loss, [ref_w, ref_b])
-    reference = pytensor.function(ref_inputs, ref_loss,
-                                  updates=[(v, v - 0.5 * g) for v, g in zip((ref_w, ref_b), ref_grads)])
-    inputs, loss, _, (w, b) = regression_step()
-    grads = [ops.all_reduce(g, "avg") for g in pytensor.grad(loss, [w, b])]
-    synk.fork(1, use_gpu=False)
-    f = synk.function(inputs, outputs=(loss, "avg"), updates=[(v, v - 0.5 * g) for v, g in zip((w, b), grads)])
-    x_data, y_data = synk.data(xd), synk.data(yd)
+    f, params, reference, ref_params, datas, arrays = all_reduced_step(1)
     for _ in range(3):
-        np.testing.assert_allclose(float(f(x_data, y_data)), float(reference(xd, yd)), rtol=1e-9)
+        np.testing.assert_allclose(float(f(*datas)), float(reference(*arrays)), rtol=1e-9)
     assert f._replica.full().mode == "JAX"
-    for var, ref in ((w, ref_w), (b, ref_b)):
+    for var, ref in zip(params, ref_params):
         np.testing.assert_allclose(var.get_value(), ref.get_value(), rtol=1e-9, atol=1e-12)
     inputs, loss, _, params = regression_step()
     train = make_train_function(loss, params, inputs, updates.sgd, learning_rate=0.5)
-    train(x_data, y_data)
+    train(*datas)
     assert train.function._replica.full().mode == "JAX"
 
 
