@@ -261,15 +261,14 @@ def report(results: dict[str, list[dict[str, Any]]], cfg: dict[str, Any], second
     tiny = results.pop("tiny", [])
     best = {name: {k: min(r[k] for r in rs) for k in keys} for name, rs in results.items()}
     if best:
-        _report_steps(best, results, cfg, seconds)
+        _report_steps(best, keys, results, cfg, seconds)
     for r in tiny:
         print(f"\ntiny call side by side in one process (plain on {r['plain_device']}): plain {r['plain_us']:.1f} us, "
               f"engine {r['engine_us']:.1f} us, median paired difference +{r['diff_us']:.1f} us (goal <= +100)")
 
 
-def _report_steps(best: dict[str, dict[str, float]], results: dict[str, list[dict[str, Any]]], cfg: dict[str, Any],
-                  seconds: float) -> None:
-    keys = [str(b) for b in cfg["batches"]] + ["peak_GiB", "tiny_us"]
+def _report_steps(best: dict[str, dict[str, float]], keys: list[str], results: dict[str, list[dict[str, Any]]],
+                  cfg: dict[str, Any], seconds: float) -> None:
     print(f"\nbest of {max(len(r) for r in results.values())} (ms per step at batch "
           f"{' / '.join(map(str, cfg['batches']))}; peak GiB; tiny call us), {seconds:.0f} s in all")
     print("| variant | " + " | ".join(keys) + " |")

@@ -80,15 +80,11 @@ fi
 # against one process on both cores), twice each
 if [ "$what" = cpu2 ]; then
   two=$(python3 -c "
-import os
-seen, picked = set(), []
-for c in sorted(os.sched_getaffinity(0)):
-    top = '/sys/devices/system/cpu/cpu%d/topology/' % c
-    core = tuple(open(top + f).read().strip() for f in ('physical_package_id', 'core_id'))
-    if core not in seen:
-        seen.add(core)
-        picked.append(c)
-print(','.join(map(str, picked[:2])))")
+from synk_comm.cores import available, physical_core
+first = {}  # each physical core's first logical CPU
+for c in available():
+    first.setdefault(physical_core(c), c)
+print(','.join(map(str, list(first.values())[:2])))")
   echo "cores $two; cpu0's hyperthreads: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list)"
   for i in 1 2; do
     CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 100 python3 benchmarks/bench_cpu_scaling.py --only tiny \
