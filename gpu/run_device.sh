@@ -7,14 +7,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/synk-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# once per machine: a warm machine's later calls (and parts run side by side) find it installed
+[ -e /tmp/site/.synk-wheels ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && touch /tmp/site/.synk-wheels; } || exit 1
 export PYTHONPATH=/tmp/site:$PWD/packages/synk-shm/src:$PWD/packages/synk-comm/src:$PWD/packages/synk-theano/src:$PWD/packages/synk-lasagne/src
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | bench | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -33,6 +35,19 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   done
   for pid in $pids; do wait "$pid" || status=1; done
   tail -n 3 "$OUT"/gpu_tests.log "$OUT"/gpu_suite_*.log
+fi
+# The reliability suites (bad input, faults with real processes) in GPU mode on every GPU, then the
+# soak there (20,000 calls): what `nox -s reliability` runs in GPU mode, without nox (no network)
+if [ "$what" = all ] || [ "$what" = reliability ]; then
+  SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 420 python3 -m pytest -p no:cacheprovider -q -rs tests/reliability \
+    > "$OUT/reliability_gpu.log" 2>&1 || status=1
+  tail -n 40 "$OUT/reliability_gpu.log"
+  SYNK_TEST_GPU=1 timeout 150 python3 benchmarks/soak.py --calls 20000 --sample 5000 2>&1 | tee "$OUT/soak_gpu.log" || status=1
+fi
+# synk_lasagne's step on an uneven batch (one program cut at its all-reduce) against its chain, every GPU
+if [ "$what" = all ] || [ "$what" = uneven ]; then
+  timeout 300 python3 benchmarks/bench_train_step.py --gpu --engine jax --uneven --ranks "$(nvidia-smi -L | wc -l)" 2>&1 \
+    | tee "$OUT/bench_train_step_uneven.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = mnist ]; then  # the main job on every GPU, both data patterns
   for pattern in host scatter; do

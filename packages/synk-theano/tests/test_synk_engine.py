@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -375,6 +376,42 @@ def test_uneven_all_gather_of_rows_and_its_gradient_equal_numpy(engine, rng, ext
     np.testing.assert_array_equal(cols, xd.T)
     active = sum(len(p) > 0 for p in parts(xd, n))
     np.testing.assert_allclose(grad, active * 2 * np.tanh(xd) * (1 - np.tanh(xd) ** 2), rtol=1e-12)
+
+
+EMPTY_OPERAND = re.compile(r"stablehlo\.(all_gather|all_reduce|all_to_all|collective_permute|reduce_scatter)\b"
+                           r".*:\s*\((?:[^)]*\b)?tensor<(?:\d+x)*0x")
+"""A collective whose operand has a zero dimension, in a lowered program's text."""
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["reduced-only", "with-gather"])
+def test_uneven_program_sends_no_empty_collective(gathered):
+    """An uneven program sends no collective of an empty array: XLA's GPU compiler crashed (SIGSEGV,
+    found on 2 H100s) on the all-gather of the gathered outputs' lengths when there were none.
+    The uneven body of a one-device mesh, lowered; without gathered outputs its last result is a
+    constant."""
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from synkhronos.engine.program import AXIS, _output_form, _shard_map, _uneven_body, funcify
+    from synkhronos.engine.segments import Segment
+
+    x = pt.matrix("x", dtype="float32")
+    outputs = [x.sum(axis=1).mean(), *([x.sum(axis=1)] if gathered else [])]
+    ops_ = ["avg", *(["gather"] if gathered else [])]
+    fgraph = pytensor.function([x], outputs, mode="JAX").maker.fgraph
+    dtypes = [np.dtype(v.type.dtype) for v in fgraph.outputs]
+    forms = [_output_form(op, dt) for op, dt in zip(ops_, dtypes)]
+    stages = [Segment(list(fgraph.inputs), list(fgraph.outputs), funcify(fgraph))]
+    body = _uneven_body(fgraph, stages, (2, 3), (), 1, [], forms, dtypes, [])
+    mesh = Mesh(np.array(jax.devices()[:1]), (AXIS,))
+    program = jax.jit(_shard_map()(body, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
+                                   out_specs=(P(),) * (len(outputs) + 1), check_vma=False))
+    text = program.lower(np.ones((3, 4), np.float32), np.array([1], np.int32)).as_text()
+    assert not EMPTY_OPERAND.search(text), [line for line in text.splitlines() if EMPTY_OPERAND.search(line)]
+    assert ("stablehlo.all_gather" in text) == gathered  # the lengths travel only where outputs are gathered
+    got = program(np.arange(12, dtype=np.float32).reshape(3, 4), np.array([1], np.int32))
+    np.testing.assert_allclose(got[0], np.arange(12.0).reshape(3, 4).sum(1).mean(), rtol=1e-6)
 
 
 def test_uneven_collective_of_rows_says_what_to_do(engine, rng):

@@ -541,6 +541,8 @@ def _uneven_body(fgraph: Any, stages: list[Segment], branches: tuple[int, ...], 
         if 0 in branches:  # a rank without rows keeps the shared values that its rows would have made
             news = [jnp.where(has_rows, new, jnp.asarray(args[j], dtype=dt)) if keep else new
                     for new, j, dt, keep in zip(news, donate, update_dtypes, kept)]
-        return (*results, *news, lax.all_gather(lengths, AXIS))
+        # Without gathered outputs there are no lengths to send: no all-gather of an empty array (it
+        # crashes XLA's GPU compiler), a constant in its place.
+        return (*results, *news, lax.all_gather(lengths, AXIS) if gathered else jnp.zeros((1, 0), jnp.int32))
 
     return body
