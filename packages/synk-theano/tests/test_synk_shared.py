@@ -168,3 +168,24 @@ def test_random_streams_differ_between_ranks(ranks):
     assert not np.allclose(first, second)  # the generator advanced in every rank
     masks = mask(synk.data(np.ones((50 * ranks, 1)))).reshape(ranks, 50)
     assert len({m.tobytes() for m in masks}) == ranks
+
+
+def test_values_are_cast_to_their_declared_dtype_until_a_call_finds_them_so():
+    """``Replica._in_declared``: a value in another dtype than its variable's (JAX's float64
+    accumulator of a float32 sum) is cast on every call; once a call of a kind finds every value in
+    its declared dtype, later calls of that kind skip the check (the compiled function's output
+    dtypes follow from its fixed input dtypes)."""
+    from synkhronos.replica import Replica
+
+    rep = Replica.__new__(Replica)
+    rep._exact = set()
+    var = pt.vector("v", dtype="float32")
+    wide = np.ones(2, dtype=np.float64)
+    for _ in range(2):
+        (out,) = rep._in_declared("outputs", [wide], [var])
+        assert out.dtype == np.float32 and "outputs" not in rep._exact
+    exact = np.ones(2, dtype=np.float32)
+    assert rep._in_declared("outputs", [exact], [var])[0] is exact
+    assert "outputs" in rep._exact
+    assert rep._in_declared("outputs", [wide], [var])[0] is wide  # no longer checked
+    assert rep._in_declared("updates", [wide], [var])[0].dtype == np.float32  # each kind on its own

@@ -20,6 +20,7 @@ subset is a function of its own, compiled on first use and cached):
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +49,10 @@ class Replica:
         self._selected: dict[tuple[Subset, int], Any] = {}
         self.compile_seconds = 0.0
         self._collectives: list[Any] | None = None
+        self._exact: set[Any] = set()
+        """The kinds of values (``("outputs", subset)``, ``"updates"``) found in their declared
+        dtypes once: the compiled function's output dtypes follow from its input dtypes, which
+        are fixed, so later calls skip the check (:meth:`_in_declared`)."""
 
     @property
     def collectives(self) -> list[Any]:
@@ -170,10 +175,21 @@ class Replica:
         by JAX (GPU mode, CPU mode's JAX backend), each updated value in its variable's declared
         dtype (see :func:`_declared`).  Every rank must hold the same dtype, or NCCL would move a
         different number of bytes in each."""
-        if self.device.computes_in_jax:
-            for var, _ in self.spec.updates:
-                storage = var.container.storage
-                storage[0] = _declared([storage[0]], [var])[0]
+        if self.device.computes_in_jax and "updates" not in self._exact:
+            updated = [var for var, _ in self.spec.updates]
+            values = [var.container.storage[0] for var in updated]
+            for var, value in zip(updated, self._in_declared("updates", values, updated)):
+                var.container.storage[0] = value
+
+    def _in_declared(self, kind: Any, values: list[Any], variables: Sequence[Any]) -> list[Any]:
+        """``values`` in their variables' declared dtypes (:func:`_declared`), checked until one
+        call of this ``kind`` finds them all so."""
+        if kind in self._exact:
+            return values
+        out = _declared(values, variables)
+        if all(map(operator.is_, out, values)):
+            self._exact.add(kind)
+        return out
 
     # -- a rank's share of a call ---------------------------------------------------------------
     def run(self, scattered: Sequence[Any], bcast: Sequence[Any], sliceable_rows: Sequence[Any] | None,
@@ -189,7 +205,8 @@ class Replica:
         spec = self.spec
         if num_slices == 1 and sliceable_rows is None:
             outs = self.full(subset)(*scattered, *bcast)
-            outs = _declared(outs if isinstance(outs, list) else [outs], self.output_variables(subset))
+            outs = self._in_declared(("outputs", subset), outs if isinstance(outs, list) else [outs],
+                                     self.output_variables(subset))
             self.settle_updates()
             return outs
         device = self.device
