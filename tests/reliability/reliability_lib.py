@@ -30,21 +30,11 @@ COMM_TESTS = os.path.join(ROOT, "packages", "synk-comm", "tests")
 if COMM_TESTS not in sys.path:  # the process and /dev/shm helpers (comm_testutil)
     sys.path.append(COMM_TESTS)
 
-from comm_testutil import alive, own_entries, wait_gone, worker_pids  # noqa: E402, F401
+from comm_testutil import ON_ENGINE, USE_GPU, alive, own_entries, wait_gone, worker_pids  # noqa: E402, F401
 
 FAULT_ENV = "SYNK_REL_FAULT_FILE"
 PROMISE_S = 2.0
 """Seconds within which DESIGN.md promises a fault to surface (and a dead master's workers to go)."""
-
-# The same rule as the synkhronos suite's (packages/synk-theano/tests/synk_testutil.py, not imported:
-# it imports PyTensor, and workers import this module).
-USE_GPU = os.environ.get("SYNK_TEST_GPU", "").strip() not in ("", "0")
-"""``SYNK_TEST_GPU=1``: every scenario forks in GPU mode (``use_gpu=True``); without GPUs, run it with
-``SYNK_EMULATE_GPUS=2 PYTENSOR_FLAGS=floatX=float64`` (GPU mode's code on JAX's CPU backend)."""
-ON_ENGINE = (os.environ.get("SYNK_ENGINE", "").strip() or ("jax" if USE_GPU else "ranks")) == "jax"
-"""Whether forks run on the JAX engine (GPU mode's default; ``SYNK_ENGINE`` chooses): the master
-computes nothing, every rank is a worker process (group rank ``r + 1`` computes rank ``r``'s share)."""
-
 
 # --- leaks and commands --------------------------------------------------------------------------
 

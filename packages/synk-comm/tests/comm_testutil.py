@@ -12,6 +12,14 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+USE_GPU = os.environ.get("SYNK_TEST_GPU", "").strip() not in ("", "0")
+"""``SYNK_TEST_GPU=1``: the synkhronos and reliability suites fork in GPU mode (``use_gpu=True``);
+without GPUs, run them with ``SYNK_EMULATE_GPUS=2 PYTENSOR_FLAGS=floatX=float64`` (GPU mode's code
+on JAX's CPU backend).  Read here, where no PyTensor is imported, for every suite alike."""
+ON_ENGINE = (os.environ.get("SYNK_ENGINE", "").strip() or ("jax" if USE_GPU else "ranks")) == "jax"
+"""Whether forks run on the JAX engine (GPU mode's default; ``SYNK_ENGINE`` chooses): the master
+computes nothing and holds no value of its own, every rank is a worker process (group rank ``r + 1``
+computes rank ``r``'s share)."""
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 SHM_DIR = "/dev/shm"

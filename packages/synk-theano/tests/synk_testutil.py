@@ -29,13 +29,7 @@ COMM_TESTS = os.path.join(ROOT, "packages", "synk-comm", "tests")
 if COMM_TESTS not in sys.path:  # the process and /dev/shm helpers (comm_testutil)
     sys.path.append(COMM_TESTS)
 
-from comm_testutil import assert_no_workers_left, own_entries, worker_pids  # noqa: E402, F401
-
-USE_GPU = os.environ.get("SYNK_TEST_GPU", "").strip() not in ("", "0")
-"""``SYNK_TEST_GPU=1``: the suite runs in GPU mode (``use_gpu=True``; tests marked ``cpu_only`` skip)."""
-ON_ENGINE = (os.environ.get("SYNK_ENGINE", "").strip() or ("jax" if USE_GPU else "ranks")) == "jax"
-"""Whether the suite's forks run on the JAX engine (GPU mode's default; ``SYNK_ENGINE`` chooses):
-the master computes nothing and holds no value of its own, every rank is a worker process."""
+from comm_testutil import ON_ENGINE, USE_GPU, assert_no_workers_left, own_entries, worker_pids  # noqa: E402, F401
 
 
 def n_workers(n: int) -> int:
