@@ -110,8 +110,8 @@ def peak_gpu_bytes() -> int:
 
 
 def synk_training(n: int, scattered: int) -> tuple[Any, list[Any]]:
-    """Fork ``n`` ranks and build ``synk_lasagne``'s training function of the MLP (one chained
-    command per step: gradient into the flat vector, NCCL all-reduce, SGD update) over
+    """Fork ``n`` ranks and build ``synk_lasagne``'s training function of the MLP (one program per
+    step on the JAX engine: gradient, XLA's all-reduce, SGD update) over
     ``scattered`` random rows scattered into the ranks' memory; returns (train, params)."""
     import pytensor
 
@@ -133,6 +133,7 @@ def synk_train_steps(n: int, batches: list[int], steps: int = 20) -> dict[int, f
     """Seconds per step of ``synk_lasagne``'s training function (:func:`synk_training`), data
     resident on the GPUs."""
     import synkhronos as synk
+    from synkhronos.engine.master import device_memory
 
     train, params = synk_training(n, max(batches))
     times = {}
@@ -145,7 +146,8 @@ def synk_train_steps(n: int, batches: list[int], steps: int = 20) -> dict[int, f
             train(batch_s=rows)  # returns the loss: every step ends with the host holding it
         synk.get_value(0, params[-1])  # the last update has finished (a 10-value bias: a cheap wait)
         times[batch] = (time.perf_counter() - t0) / steps
-    times[-1] = peak_gpu_bytes() if USE_GPU else 0
+    # the GPU 0 worker's peak (the JAX engine's master holds no GPU: its own statistics read 0)
+    times[-1] = device_memory()[0]["peak_bytes_in_use"] if USE_GPU else 0
     synk.close()
     return times
 

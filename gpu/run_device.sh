@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU suite and the GPU benchmarks in one call of the device tool (nvidia-h200-x2):
-#   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash gpu/run_device.sh")
-# The machine has no network: PyTensor 3.3.7 and its pure-Python dependencies, nccl4py (for
-# synk_comm.nccl's own tests) and posix_ipc travel as cp312 wheels in .whl/ (see gpu/README.md);
+# The GPU suite and the GPU benchmarks on the device tool's machines, one part per call (the whole
+# script takes longer than one call's 10 minutes), e.g. on two GPUs:
+#   run(kind="nvidia-h100-x2", carry=[".whl"], command="export OUT; bash gpu/run_device.sh tests")
+# The machine has no network: PyTensor 3.3.8 and its pure-Python dependencies, nccl4py (for
+# synk_comm.nccl's own tests) and posix_ipc travel as cp312 wheels in .whl/ (docs/guides/gpu.rst);
 # our packages run from source.  GPU mode runs on the JAX engine (synkhronos.engine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
