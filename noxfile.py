@@ -95,14 +95,16 @@ def tests(session: nox.Session) -> None:
     paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
     if (ROOT / "tests").exists():
         paths.append(str(ROOT / "tests"))
-    session.run("pytest", *paths, *session.posargs, env={"PYTHONUNBUFFERED": "1"})
+    # the slowest tests in every CI log, to see where CI's time goes
+    session.run("pytest", "--durations=20", *paths, *session.posargs, env={"PYTHONUNBUFFERED": "1"})
     if session.python == "3.12" and not session.posargs:
         # GPU mode's code paths on JAX's CPU devices: the whole suite on the JAX engine (GPU mode's
         # engine), its workers joined by JAX's multi-process runtime, collectives over gloo -- what
         # CI can check of GPU mode; test_synk_engine.py also runs the engine in 2 and 3 workers; the
         # reliability suites' bad inputs and faults on the engine (about 80 s).
         # (JAX came with synk-theano[cpu].)
-        session.run("pytest", str(ROOT / "packages" / "synk-theano" / "tests"), str(ROOT / "tests" / "reliability"),
+        session.run("pytest", "--durations=20", str(ROOT / "packages" / "synk-theano" / "tests"),
+                    str(ROOT / "tests" / "reliability"),
                     env={"PYTHONUNBUFFERED": "1", "SYNK_EMULATE_GPUS": "2", "SYNK_TEST_GPU": "1",
                          "PYTENSOR_FLAGS": "floatX=float64"})
 
