@@ -256,6 +256,39 @@ def test_batch_s_windows_of_sliceable_shareds_run_in_the_program(engine, rng, ca
     np.testing.assert_allclose(got[1], np.concatenate([p[0:2] for p in parts(values[:6 * n - 1], n)]), rtol=1e-12)
 
 
+def test_sliceable_shapes_are_compared_again_only_when_they_may_have_changed(engine, rng, monkeypatch, caplog):
+    """The ranks compare their sliceable variables' shapes (a collective with the master) at a plan's
+    first call; a call of the same plan skips it while only calls that ran as one program and kept
+    every shape came in between.  A command in between (scatter) or a program whose update reshapes
+    a variable makes the next call compare again, so a window that no longer fits is found."""
+    from synkhronos.engine import master as engine_master
+
+    n = engine
+    checks = []
+    real = engine_master.fit_reason
+    monkeypatch.setattr(engine_master, "fit_reason", lambda *a: checks.append(1) or real(*a))
+    s = pytensor.shared(np.zeros((1, 2)), name="s")
+    f = synk.function([], outputs=(s, None), sliceable_shareds=[s])
+    other = synk.function([], outputs=(s.sum(), "sum"))  # a program call in between keeps the shapes
+    drop_first = synk.function([], updates=[(s, s[1:])])  # every rank's s loses its first row
+    values = rng.standard_normal((6 * n, 2))
+    synk.scatter(s, synk.data(values))
+    ps = parts(values, n)
+    for _ in range(3):
+        np.testing.assert_allclose(f(batch_s=slice(2, 6)), np.concatenate([p[2:6] for p in ps]), rtol=1e-12)
+        other()
+    assert len(checks) == 1
+    synk.scatter(s, synk.data(values[::-1].copy()))
+    ps = parts(values[::-1], n)
+    np.testing.assert_allclose(f(batch_s=slice(2, 6)), np.concatenate([p[2:6] for p in ps]), rtol=1e-12)
+    assert len(checks) == 2
+    drop_first()
+    with caplog.at_level(logging.INFO, logger="synkhronos"):  # 5 rows now: per rank, Python's slicing
+        got = f(batch_s=slice(2, 6))
+    assert len(checks) == 3 and "beyond the rows" in caplog.text
+    np.testing.assert_allclose(got, np.concatenate([p[3:6] for p in ps]), rtol=1e-12)
+
+
 # --- in-graph collectives through synk_axis --------------------------------------------------------
 
 def test_a_psum_op_gives_the_full_batch_gradient(engine, rng):

@@ -131,6 +131,17 @@ def test_batch_s_walks_through_the_rows(fns, sdata, ranks):
         assert {(None, 2), (None, 0)} <= set(fns.fs._replica._selected)
 
 
+
+def test_a_repeated_batch_s_slice_reuses_its_plan_and_reads_the_rows_of_now(fns, sdata, ranks):
+    """The master keeps the checked plan of a call with one ``batch_s`` slice (a training loop's
+    window); windows that alternate, then new rows scattered under the same window, each equal numpy."""
+    for data in (sdata, sdata[::-1] * 2):
+        synk.scatter(fns.S, data)
+        per_rank = parts(data, ranks)
+        for rows in (slice(1, 3), slice(0, 2), slice(1, 3), slice(0, None, 2), slice(1, 3)):
+            assert_all_close(fns.fs(batch_s=rows)[:4], reference_fs([p[rows] for p in per_rank])[:4])
+    assert any(key[2] == (1, 3, None) for key in fns.fs._plans)  # the window's plan was kept
+    synk.scatter(fns.S, sdata)  # the module's rows again
 @pytest.mark.parametrize("mode", ["FAST_RUN", "JAX"])
 def test_row_window_op_matches_numpy(mode):
     """``RowWindow(count)(x, start)`` is ``x[start:start + count]`` in PyTensor's default backend and

@@ -132,6 +132,9 @@ class Group:
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._pending = 0
         self._buffer_turn = 0
+        self.commands = 0
+        """In the master: how many commands it has started (the workers do not count).  A caller
+        that keeps what it learnt in one command can tell from it whether another came in between."""
         self._command_names: list[str] = []
         self._nccl: Any = None
         self._affinity: dict[int, set[int]] | None = None  # the master's masks before start(cores=...)
@@ -293,6 +296,7 @@ class Group:
             self.buffers.publish_bytes(MAILBOX, data)
             header[PAYLOAD_NBYTES] = len(data)
         header[CMD] = cmd
+        self.commands += 1
         self._buffer_turn = 0
         self._pending = len(self.workers)
         for sem in self._go_workers:

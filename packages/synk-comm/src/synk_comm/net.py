@@ -457,6 +457,11 @@ class SpanGroup:
         finally:
             self._watching = []
 
+    @property
+    def commands(self) -> int:
+        """How many commands the master has started (:attr:`synk_comm.Group.commands`)."""
+        return self.local.commands
+
     # -- commands ----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def command(self, name: str, payload: Any = None) -> Iterator[None]:

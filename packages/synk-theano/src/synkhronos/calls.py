@@ -41,7 +41,11 @@ class SelectionError(IndexError, ValueError):
 
 NONE = np.iinfo(np.int64).min
 """Stands for ``None`` in a slice bound."""
-HEADER = 8
+HEADER = 9
+FITS = 8
+"""The header slot the JAX engine's master sets to 1 when a call's sliceable shared variables are
+known to fit it in every rank, so that the ranks skip comparing them (:func:`synkhronos.engine.master.call`);
+0 as :func:`encode` writes it."""
 
 
 @dataclass
@@ -71,7 +75,7 @@ class CallPlan:
 def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
     """Write ``plan`` into the scratch slots (the caller checked that it fits)."""
     head = [plan.fid, plan.num_slices, plan.batch_kind, plan.batch_start, plan.bs_kind, len(plan.data_ids),
-            -1 if plan.subset is None else len(plan.subset), plan.index_did, *plan.data_ids]
+            -1 if plan.subset is None else len(plan.subset), plan.index_did, 0, *plan.data_ids]
     if plan.subset is not None:
         head.extend(plan.subset)
     i = len(head)
@@ -84,7 +88,7 @@ def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
 
 def decode(scratch: np.ndarray, size: int) -> CallPlan:
     """Read the plan that :func:`encode` wrote."""
-    fid, num_slices, batch_kind, batch_start, bs_kind, n_data, n_sub, index_did = scratch[:HEADER].tolist()
+    fid, num_slices, batch_kind, batch_start, bs_kind, n_data, n_sub, index_did, _ = scratch[:HEADER].tolist()
     i = HEADER
     data_ids = scratch[i:i + n_data].tolist()
     i += n_data

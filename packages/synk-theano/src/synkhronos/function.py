@@ -176,9 +176,13 @@ class Function:
     def _plan_key(args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any, batch: Any, batch_s: Any,
                   num_slices: Any) -> tuple[Any, ...] | None:
         """The key under which a call's checked plan is kept (see :meth:`_known_plan`), or None for a
-        call whose plan is not kept: keywords, ``batch_s``, ``num_slices`` > 1, or a batch other than
-        None, an int or a slice."""
-        if kwargs or batch_s is not None or type(num_slices) is not int or num_slices != 1:
+        call whose plan is not kept: keywords, ``num_slices`` > 1, a batch other than None, an int or
+        a slice, or a ``batch_s`` other than None or one slice of int bounds (a training loop's
+        window: the plan holds it whole, and the ranks check it against their rows)."""
+        if kwargs or type(num_slices) is not int or num_slices != 1:
+            return None
+        if batch_s is not None and not (type(batch_s) is slice and all(
+                v is None or type(v) is int for v in (batch_s.start, batch_s.stop, batch_s.step))):
             return None
         if batch is not None and type(batch) not in (int, slice):
             return None
@@ -187,7 +191,8 @@ class Function:
             return None
         subset_key = None if output_subset is None else tuple(output_subset)
         batch_key = (batch.start, batch.stop, batch.step) if type(batch) is slice else batch
-        return (subset_key, batch_key, *map(id, args))
+        window_key = None if batch_s is None else (batch_s.start, batch_s.stop, batch_s.step)
+        return (subset_key, batch_key, window_key, *map(id, args))
 
     def _known_plan(self, rt: Runtime, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The kept plan of a call like an earlier one -- the same Data objects, still registered and

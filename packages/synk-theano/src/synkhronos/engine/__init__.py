@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CALL", "COLLECT", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "VALUE", "choose"]
+__all__ = ["CALL", "COLLECT", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "RESHAPED", "VALUE", "choose"]
 
 ENGINES = ("ranks", "jax")
 """``"jax"``: one program over every rank on JAX's multi-process runtime (this package), GPU mode's
@@ -59,6 +59,9 @@ PROGRAM = 1
 """A call's reply form: it ran as one program; compute rank 0 carries the combined outputs."""
 PER_RANK = 0
 """A call's reply form: it ran per rank; every rank carries its own share."""
+RESHAPED = 2
+"""A call's reply form: it ran as one program (as :data:`PROGRAM`), and an update gave a shared
+variable another shape."""
 
 
 def choose(engine: str | None, use_gpu: bool = False) -> str:

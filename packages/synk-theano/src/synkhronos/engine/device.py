@@ -41,13 +41,6 @@ class EngineDevice(GpuDevice):
         self.xp = jax.numpy
         self.device = device
         self._global: dict[Any, tuple[Any, Any]] = {}  # var -> (local value, its global form)
-        self._local = jax.sharding.SingleDeviceSharding(device)
-
-    def put(self, arrays: list[np.ndarray]) -> list[Any]:
-        """Host arrays onto this rank's device, in one ``jax.device_put`` (not waited for; from
-        memory that :meth:`Ranks.pin <synkhronos.engine.worker.Ranks.pin>` registered with the
-        device, a DMA at the link's full speed)."""
-        return list(self.jax.device_put(arrays, self._local)) if arrays else []
 
     def global_value(self, var: SharedVariable, sharding: Any) -> Any:
         """The variable's value as the program's replicated operand (cached)."""

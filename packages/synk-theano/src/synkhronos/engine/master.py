@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from synkhronos import calls
-from synkhronos.engine import CALL, PROGRAM, VALUE, NotOneProgramError
+from synkhronos.engine import CALL, PER_RANK, PROGRAM, VALUE, NotOneProgramError
 from synkhronos.engine.launch import ABORT_GRACE_S
 from synkhronos.engine.phases import PHASES
 from synkhronos.engine.program import STACKED, _output_form, fit_reason, per_rank_reason, shares
@@ -46,6 +46,30 @@ class Orchestrator:
         self.outputs: dict[tuple[int, tuple[int, ...] | None], tuple[list[str], list[bool]]] = {}
         """(function id, output subset) -> each output's op and whether it leaves the program stacked
         (the master combines it)."""
+        self.fits: set[bytes] = set()
+        """The plans (scratch slots) of calls whose sliceable shared variables the ranks found to fit
+        one program, valid while :attr:`quiet_at` says that nothing has changed them since."""
+        self.quiet_at = -1
+        """The group's command count (:attr:`synk_comm.Group.commands`) at the end of the last call that
+        ran as one program and changed no shared variable's shape; -1 when the last command was another.
+        Only such calls came in between while it equals the count: every rank's sliceable variables
+        still have the shapes that they had when a plan in :attr:`fits` was checked."""
+
+    def fit_known(self, group: Any, size: int, sliceable: bool) -> bytes | None:
+        """Before a call of a function with sliceable shared variables (``sliceable``): whether the
+        ranks may skip comparing their shapes, written into the plan (:data:`synkhronos.calls.FITS`);
+        returns the plan's key (None: no such function, or the check is skipped)."""
+        scratch = group.scratch
+        scratch[calls.FITS] = 0
+        if not sliceable:
+            return None
+        key = scratch[:calls.CallPlan.length_of(scratch, size)].tobytes()
+        if self.quiet_at != group.commands:
+            self.fits.clear()
+        elif key in self.fits:
+            scratch[calls.FITS] = 1
+            return None
+        return key
 
     def outputs_of(self, rep: Replica, subset: tuple[int, ...] | None) -> tuple[list[str], list[bool]]:
         """The ops of ``rep``'s outputs in ``subset`` and which leave the program stacked (cached)."""
@@ -84,8 +108,10 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | Non
                          f"program over the ranks, and this call cannot run as one: {reason}. Call it so that "
                          "one program can run it (the reason says what stops it), or build the step without "
                          "in-graph collectives (synk.chain)")
+    orchestrator = rt.engine
+    checking = orchestrator.fit_known(rt.group, rt.size, reason is None and bool(spec.sliceable))
     with rt.group.command(CALL):
-        if reason is None and spec.sliceable:  # the workers compare their sliceable variables' shapes
+        if checking is not None:  # the workers compare their sliceable variables' shapes
             reason = fit_reason(rt.group.host.all_gather(np.empty(0, dtype=np.int64))[1:], plan)
         # One program: a rank that fails leaves the others inside its collectives, to be stopped after
         # a grace.  Per-rank programs: the others finish their shares, however long they take.
@@ -96,7 +122,11 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | Non
         ph.mark("command")
     replies = rt.group.replies()
     parts = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
-    if int(parts[0][0]) == PROGRAM:
+    form = int(parts[0][0])
+    orchestrator.quiet_at = rt.group.commands if form == PROGRAM else -1
+    if checking is not None and form == PROGRAM:
+        orchestrator.fits.add(checking)
+    if form != PER_RANK:
         counts = shares(rep, plan)
         if counts is None:  # every rank the same rows: the output forms are cached per subset
             ops, stacked = rt.engine.outputs_of(rep, plan.subset)

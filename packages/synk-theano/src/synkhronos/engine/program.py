@@ -262,14 +262,17 @@ class Program:
                                                                                 list(fgraph.outputs), local)]
             body = _uneven_body(fgraph, stages, branches, counts, self.n_scattered, donate, forms, dtypes,
                                 update_dtypes)
-        in_specs = [P(AXIS) if i < self.n_scattered or i in starts else P() for i in range(n_in)]
+        # Every operand is "replicated" (``P()``): each rank's host arrays (its rows, the broadcast
+        # values, its start and branch) and its own shared values.  Inside ``shard_map`` a rank reads
+        # its own buffer, so its rows are its block; the jitted call moves host arrays onto the device
+        # itself, where ``device_put`` and a global array per operand cost 130-400 us a call on GPUs.
+        in_specs = [P()] * n_in
         out_specs = tuple([P()] * (self.n_out + len(self.updated)))
-        if branches:  # the rank's branch (an int32 (1,) block); the gathered outputs' lengths
-            in_specs.append(P(AXIS))
+        if branches:  # the rank's branch (an int32 (1,) array); the gathered outputs' lengths
+            in_specs.append(P())
             out_specs += (P(),)
         mapped = _shard_map()(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
         self.jitted = jax.jit(mapped, donate_argnums=tuple(donate))
-        self.rows = NamedSharding(mesh, P(AXIS))
         self.replicated = NamedSharding(mesh, P())
         self.size = int(mesh.devices.size)
         self._last: Any = ()
@@ -278,6 +281,10 @@ class Program:
         self._operands: list[Any] = []
         self._values: list[Any] = []
         self._position = {i: self.shared.index(v) for i, v in enumerate(self.updated) if v in self.shared}
+        self.reshaped = False
+        """Whether the last run's updates gave a shared variable another shape (the master then has the
+        ranks compare their sliceable variables' shapes again: :attr:`Orchestrator.quiet_at
+        <synkhronos.engine.master.Orchestrator.quiet_at>`)."""
 
     def __call__(self, device: EngineDevice, scattered: list[np.ndarray], bcast: list[Any],
                  start: int = 0) -> list[Any]:
@@ -288,16 +295,10 @@ class Program:
         if self.branches:  # this rank's rows, padded to the largest share (the branch reads its own rows)
             branch = self.branches.index(len(scattered[0]))
             scattered = [_padded(x, self.branches[-1]) for x in scattered]
-        host = [*scattered, *(np.asarray(b) for b in bcast)]
+        args = [*scattered, *(np.asarray(b) for b in bcast)]
         if self.sliceable:
-            host.append(np.array([start], dtype=np.int32))
-        if self.size == 1:  # the host arrays are the global operands: the program's own dispatch moves them
-            args = host[:len(scattered) + len(bcast)]
-            if self.sliceable:
-                args += [device.global_value(var, self.replicated) for var in self.sliceable]
-                args += [host[len(scattered) + len(bcast)]] * len(self.sliceable)
-        else:
-            args = self._operands_of(device, host, len(scattered), len(bcast))
+            args += [device.global_value(var, self.replicated) for var in self.sliceable]
+            args += [np.array([start], dtype=np.int32)] * len(self.sliceable)
         if PHASES is not None:
             PHASES.mark("put")
         values = [var.container.storage[0] for var in self.shared]
@@ -305,32 +306,24 @@ class Program:
             self._operands = [device.global_value(var, self.replicated) for var in self.shared]
             self._values = [var.container.storage[0] for var in self.shared]
         args += self._operands
-        if self.branches:  # the rank's branch index (over several ranks only): the program's last operand
-            index = device.put([np.array([branch], dtype=np.int32)])[0]
-            args.append(device.jax.make_array_from_single_device_arrays((self.size,), self.rows, [index]))
+        if self.branches:  # the rank's branch index: the program's last operand
+            args.append(np.array([branch], dtype=np.int32))
         if PHASES is not None:
             PHASES.mark("operands")
         outs = self.jitted(*args)
+        if PHASES is not None:
+            PHASES.mark("launch")
         self._last = outs
         n_new = len(self.updated)
+        reshaped = False
         for i, (var, new) in enumerate(zip(self.updated, outs[self.n_out:self.n_out + n_new])):
+            reshaped = reshaped or new.shape != var.container.storage[0].shape
             local = device.store(var, new)
             j = self._position.get(i)
             if j is not None:
                 self._operands[j], self._values[j] = new, local
+        self.reshaped = reshaped
         return list(outs[:self.n_out]) + list(outs[self.n_out + n_new:])
-
-    def _operands_of(self, device: EngineDevice, host: list[np.ndarray], n: int, n_bcast: int) -> list[Any]:
-        """Over several ranks: this rank's host arrays onto its device, each made the global operand
-        that it is a block of (the scattered rows, the broadcast values, the sliceable start)."""
-        local = device.put(host)
-        glob = device.jax.make_array_from_single_device_arrays
-        args = [glob((self.size * x.shape[0], *x.shape[1:]), self.rows, [x]) for x in local[:n]]
-        args += [glob(x.shape, self.replicated, [x]) for x in local[n:n + n_bcast]]
-        if self.sliceable:
-            args += [device.global_value(var, self.replicated) for var in self.sliceable]
-            args += [glob((self.size,), self.rows, [local[-1]])] * len(self.sliceable)
-        return args
 
     def wait(self) -> None:
         """Until the last run has finished (its outputs and updated values)."""

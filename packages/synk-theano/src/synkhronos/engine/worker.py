@@ -26,7 +26,7 @@ import numpy as np
 
 from synk_comm import Group, handler
 from synkhronos import calls
-from synkhronos.engine import CALL, JOIN, PER_RANK, PROGRAM, VALUE, launch, phases
+from synkhronos.engine import CALL, JOIN, PER_RANK, PROGRAM, RESHAPED, VALUE, launch, phases
 from synkhronos.engine.device import EngineDevice
 from synkhronos.engine.phases import PHASES
 from synkhronos.engine.program import (
@@ -83,12 +83,13 @@ class Ranks:
         batch_s window, the weight replied), for plans that ran as one program and need no check
         between the ranks."""
 
-    def remember(self, key: bytes, known: tuple[calls.CallPlan, Any, Program, Any, np.ndarray]) -> None:
+    def remember(self, key: bytes, known: tuple[calls.CallPlan, Any, Program, Any, np.ndarray], fits: bool) -> None:
         """Keep what a call's plan decoded to (:attr:`known`): the next call of the same plan looks it up.
-        Not for functions with sliceable shared variables (each call compares their shapes between the
-        ranks, a collective the master takes part in), nor for uneven calls."""
-        if known[1].spec.sliceable or known[2].branches:  # (uneven calls: rare, and may turn per rank)
-            return
+        Not for uneven calls, nor for calls of functions with sliceable shared variables unless the
+        master found that they fit (:data:`synkhronos.calls.FITS`; else each call compares their shapes
+        between the ranks, a collective the master takes part in): ``fits``, the master's word."""
+        if (known[1].spec.sliceable and not fits) or known[2].branches:  # (uneven calls: rare, and may turn
+            return  # per rank)
         if len(self.known) >= 256:
             self.known.clear()
         self.known[key] = known
@@ -188,7 +189,8 @@ def _call(group: Group, _payload: None) -> None:
         plan = calls.decode(scratch, rt.size)
         rep = rt.replicas[plan.fid]
         reason = per_rank_reason(rep, plan)
-        if reason is None and rep.spec.sliceable:  # do the sliceable variables fit one program in every rank?
+        if reason is None and rep.spec.sliceable and not scratch[calls.FITS]:  # do the sliceable variables fit
+            # one program in every rank?  (Known when the master says so: their shapes are as when it was checked)
             reason = fit_reason(group.host.all_gather(shapes_of(rep, rt.device))[1:], plan)
         found = window(plan) if rep.spec.sliceable else None
         counts = shares(rep, plan)
@@ -207,7 +209,7 @@ def _call(group: Group, _payload: None) -> None:
         rows = (found[1] * rt.size if found else sum(int(p1 - p0) for p0, p1 in plan.positions)
                 if rep.spec.inputs else rt.size)
         weight = np.array(float(rows))  # the call's rows over every rank
-        rt.engine.remember(key, (plan, rep, program, found, weight))
+        rt.engine.remember(key, (plan, rep, program, found, weight), bool(scratch[calls.FITS]))
     if ph is not None:
         ph.mark("plan")
     scattered, bcast = calls.rank_inputs(rt, plan)
@@ -239,7 +241,7 @@ def _call(group: Group, _payload: None) -> None:
         if ph is not None:
             ph.mark("wait")
     if rt.rank == 0:
-        group.reply([_FORM, weight, *values])
+        group.reply([_RESHAPED if program.reshaped else _FORM, weight, *values])
     else:
         group.reply([_FORM])
     if ph is not None:
@@ -247,6 +249,7 @@ def _call(group: Group, _payload: None) -> None:
 
 
 _FORM = np.array(PROGRAM)
+_RESHAPED = np.array(RESHAPED)
 
 
 @handler(VALUE)
