@@ -81,3 +81,19 @@ def test_a_rank_without_rows_keeps_its_batch_norm_statistics(engine):
     for p in params:
         gathered = synk.gather(p, nd_up=1)
         np.testing.assert_array_equal(gathered[0], gathered[1], err_msg=p.name)
+
+
+def test_the_engines_step_all_reduces_each_parameter_on_its_own(engine):
+    """On the engine the step's graph holds one all-reduce per parameter (and one of the weight),
+    which XLA can start while the backward pass goes on, instead of one of the whole flat vector."""
+    from pytensor.graph.basic import ancestors
+
+    from synkhronos.ops import AllReduce
+
+    xs, ys = pt.matrix("x"), pt.ivector("y")
+    params = shared_params(initial_params())
+    train = make_train_function(loss_graph(xs, ys, params), params, [xs, ys], updates.sgd, learning_rate=0.1)
+    exprs = [expr for _, expr in train.function._replica.spec.updates]
+    reduces = {v.owner for v in ancestors(exprs) if v.owner is not None and isinstance(v.owner.op, AllReduce)}
+    assert len(reduces) == len(params) + 1
+    assert all(node.op.op == "sum" and node.inputs[0].ndim == 1 for node in reduces)

@@ -288,11 +288,19 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     and the rule reads ``sum_r w_r g_r / sum_r w_r``, exact for any ``weight``.  (``avg`` would
     weight each rank by its rows a second time.)  A rank without rows contributes zeros, as
     every in-graph collective does, and applies the same update as the others.
+
+    On the JAX engine (GPU mode) the step all-reduces each parameter's part of the flat gradient
+    on its own (:func:`synk_lasagne.updates.weighted_gradient_parts`): XLA combines them into a few
+    collectives and starts each while the rest of the backward pass runs (one all-reduce of the
+    whole vector could only start after it); measured on 2 H100s in ``benchmarks/RESULTS.md``.
+    Elsewhere (CPU mode's shared-memory collectives) one all-reduce of the flat vector is cheaper.
     """
+    import pytensor.tensor as pt
     from pytensor.graph.replace import clone_replace
 
     import synkhronos as synk
     from synk_lasagne.layers.base import get_state_updates
+    from synkhronos.runtime import current
 
     inputs = list(inputs)
     sliceable = list(sliceable_shareds or [])
@@ -312,7 +320,13 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     state = get_state_updates([loss, *(e[0] if isinstance(e, tuple) else e for e in extra)])
     ((flat, local_flat, _),) = result.grad_updates
     targets = list(result.param_updates)
-    stepped = clone_replace(list(result.param_updates.values()), replace={flat: synk.ops.all_reduce(local_flat, "sum")})
+    rt = current()
+    if rt is not None and rt.engine is not None and rt.size > 1:  # one all-reduce per parameter, see Notes
+        parts = _updates.weighted_gradient_parts(loss, params, weight=weight)
+        reduced = pt.concatenate([synk.ops.all_reduce(part, "sum") for part in parts])
+    else:
+        reduced = synk.ops.all_reduce(local_flat, "sum")
+    stepped = clone_replace(list(result.param_updates.values()), replace={flat: reduced})
     function = synk.function(inputs, outputs=outs, updates=[*zip(targets, stepped), *state], **common)
 
     def build_sliced() -> tuple[Any, Any]:

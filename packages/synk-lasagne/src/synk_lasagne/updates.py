@@ -40,6 +40,7 @@ Modifiers and helpers:
 :func:`norm_constraint`            rescale weight vectors whose norm exceeds ``max_norm``
 :func:`total_norm_constraint`      rescale a list of tensors so that their joint norm is <= ``max_norm``
 :func:`flat_gradient`              the building block: the flat gradient update and its views
+:func:`weighted_gradient_parts`    the pieces of the flat gradient, one per parameter, then the weight
 :func:`get_or_compute_grads`       ``pytensor.grad(loss, params)``, or the given gradients
 =================================  ==================================================================
 
@@ -113,6 +114,7 @@ import numpy as np
 __all__ = [
     "RuleUpdates",
     "flat_gradient",
+    "weighted_gradient_parts",
     "get_or_compute_grads",
     "sgd",
     "apply_momentum",
@@ -266,17 +268,12 @@ def flat_gradient(loss_or_grads: Any, params: Sequence[Any], *, weight: Any = No
     import pytensor.tensor as pt
 
     params = _check_params(params)
-    grads = get_or_compute_grads(loss_or_grads, params)
     dtype = _grad_dtype(params)
     shapes = [tuple(np.shape(p.get_value(borrow=True))) for p in params]
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     total = sum(sizes)
     flat = pytensor.shared(np.zeros(total + 1, dtype=dtype), name="flat_grad")
-    w = pt.constant(np.ones((), dtype=dtype)) if weight is None else pt.cast(pt.as_tensor_variable(weight), dtype)
-    if w.ndim != 0:
-        raise ValueError(f"weight must be a scalar, got an expression of ndim {w.ndim}")
-    raveled = pt.concatenate([pt.cast(g, dtype).ravel() for g in grads])
-    expr = pt.concatenate([raveled * w, pt.shape_padleft(w)])
+    expr = pt.concatenate(weighted_gradient_parts(loss_or_grads, params, weight=weight))
     views = []
     start = 0
     for param, shape, size in zip(params, shapes, sizes):  # divided view by view: no whole-vector temporary
@@ -287,6 +284,50 @@ def flat_gradient(loss_or_grads: Any, params: Sequence[Any], *, weight: Any = No
         if len(views) != len(params):
             raise ValueError(f"grad_transform returned {len(views)} gradients for {len(params)} parameters")
     return [(flat, expr, "sum")], views, flat
+
+
+def weighted_gradient_parts(loss_or_grads: Any, params: Sequence[Any], *, weight: Any = None) -> list[Any]:
+    """The pieces of the flat gradient's expression (:func:`flat_gradient`), in its order:
+    ``weight * ravel(g_i)`` for each parameter, then ``[weight]``.
+
+    ``concatenate(parts)`` is the expression that :func:`flat_gradient` writes into ``flat_grad``.
+    A function that all-reduces inside its graph may all-reduce each part on its own and
+    concatenate the results: the same values, and a compiler that sees one collective per
+    parameter can start each as soon as that gradient exists, while the backward pass goes on
+    (what :func:`synk_lasagne.make_train_function` does on the JAX engine).
+
+    Parameters
+    ----------
+    loss_or_grads : scalar expression or list of expressions
+        The loss (a mean over the rank's rows) or its gradients.
+    params : list of shared variables
+    weight : symbolic or numeric scalar, optional
+        This rank's weight in the average (see :func:`flat_gradient`); default 1.
+
+    Returns
+    -------
+    list of vectors
+        One per parameter (its size), then the weight (a vector of one value), in the
+        parameters' common dtype.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> w = pytensor.shared(np.zeros(3), name="w")
+    >>> x = pt.matrix("x")
+    >>> parts = weighted_gradient_parts(pt.mean((x @ w - 1) ** 2), [w], weight=x.shape[0])
+    >>> [p.eval({x: np.ones((4, 3))}).tolist() for p in parts]
+    [[-8.0, -8.0, -8.0], [4.0]]
+    """
+    import pytensor.tensor as pt
+
+    params = _check_params(params)
+    grads = get_or_compute_grads(loss_or_grads, params)
+    dtype = _grad_dtype(params)
+    w = pt.constant(np.ones((), dtype=dtype)) if weight is None else pt.cast(pt.as_tensor_variable(weight), dtype)
+    if w.ndim != 0:
+        raise ValueError(f"weight must be a scalar, got an expression of ndim {w.ndim}")
+    return [pt.cast(g, dtype).ravel() * w for g in grads] + [pt.shape_padleft(w)]
 
 
 # --- the rules ----------------------------------------------------------------------------------
