@@ -17,7 +17,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2 | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -109,6 +109,12 @@ print(','.join(map(str, list(first.values())[:2])))")
       --plot "$OUT/mnist_2cores_$i.png" > "$OUT/mnist_2cores_$i.log" 2>&1 || status=1
     grep -E "^(data-parallel|single process):|speedup|final test|total time" "$OUT/mnist_2cores_$i.log"
   done
+fi
+# The training step on every GPU against hand-written JAX and DDP, under XLA flag variants, then
+# where the engine's step spends its host time (benchmarks/probe_gpu_step.py)
+if [ "$what" = step ]; then
+  timeout 420 python3 benchmarks/probe_gpu_step.py 2>&1 | tee "$OUT/probe_gpu_step.log" || status=1
+  timeout 150 python3 benchmarks/probe_gpu_step.py --phases 2>&1 | tee -a "$OUT/probe_gpu_step.log" || status=1
 fi
 if [ "$what" = profile ]; then
   timeout 300 python3 benchmarks/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
