@@ -447,6 +447,53 @@ def test_uneven_program_sends_no_empty_collective(gathered):
     np.testing.assert_allclose(got[0], np.arange(12.0).reshape(3, 4).sum(1).mean(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("cols", [0, 2], ids=["empty", "not-empty"])
+def test_no_collective_of_an_empty_operand_is_sent(cols):
+    """Output reductions and in-graph collectives of an empty value send no collective (zeros of the
+    result's shape instead: XLA's GPU compiler crashes on a collective of an empty operand); of a
+    value that is not empty, they do.  Lowered over a one-device mesh."""
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    from synkhronos.engine.program import AXIS, STACKED, _reduce, _shard_map
+
+    x = pt.matrix("x", dtype="float32")
+    nodes = [ops.all_reduce(x, "sum").owner, ops.all_gather(x, axis=1).owner, ops.broadcast(x).owner]
+    fns = [jax_funcify(node.op, node=node, synk_axis=AXIS) for node in nodes]
+    f32 = np.dtype("float32")
+
+    def body(v):
+        return (*(fn(v) for fn in fns), *(_reduce(v, form, f32) for form in ("sum", "avg", "max", "gather", STACKED)))
+
+    mesh = Mesh(np.array(jax.devices()[:1]), (AXIS,))
+    program = jax.jit(_shard_map()(body, mesh=mesh, in_specs=P(), out_specs=(P(),) * 8, check_vma=False))
+    value = np.arange(3 * cols, dtype=np.float32).reshape(3, cols)
+    text = program.lower(value).as_text()
+    assert bool(EMPTY_OPERAND.search(text)) is False
+    assert ("stablehlo.all_reduce" in text) == (cols > 0)
+    got = program(value)
+    want = [value, value, value, value, value, value, value, value[None]]
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_empty_outputs_and_collectives_in_a_call_equal_numpy(engine, rng, caplog):
+    n = engine
+    x = pt.matrix("x")
+    none = x[:, :0]  # every rank's rows, no columns
+    f = synk.function([x], outputs=[(none * 2, None), (ops.all_reduce(none, "sum").sum(axis=0), "sum"),
+                                    (x.sum(), "sum")])
+    xd = rng.standard_normal((4 * n, 3))
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        got = f(synk.data(xd))
+    assert not per_rank_logged(caplog)
+    assert got[0].shape == (4 * n, 0) and got[1].shape == (0,)
+    assert got[2] == pytest.approx(xd.sum())
+
+
 def test_uneven_collective_of_rows_says_what_to_do(engine, rng):
     """A collective of a value whose shape follows the rows (other than all_gather) cannot run on
     uneven shares: every rank says so (and what to do); even shares run, and the group stays

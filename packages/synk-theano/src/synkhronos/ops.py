@@ -109,7 +109,7 @@ from synkhronos.reduce_ops import UPDATE_OPS, check_op, contribution
 from synkhronos.reduce_ops import identity as identity_of
 
 __all__ = ["REDUCE_OPS", "AllGather", "AllReduce", "Broadcast", "Collective", "all_gather", "all_reduce",
-           "broadcast", "collective_nodes", "check_group"]
+           "broadcast", "collective_nodes", "check_group", "without_empty_collective"]
 
 REDUCE_OPS = UPDATE_OPS
 """The ops of :func:`all_reduce`: ``"avg"``, ``"sum"``, ``"prod"``, ``"max"``, ``"min"``."""
@@ -732,8 +732,27 @@ def _jax_function(op: Collective, node: Apply, synk_axis: str | None = None,
     rank's rows of an uneven call, None when every rank holds the same rows; see
     :meth:`Collective.in_program`), else a host callback that does what ``perform`` does."""
     if synk_axis is not None:
-        return op.in_program(synk_axis, node, synk_counts)
+        return without_empty_collective(op.in_program(synk_axis, node, synk_counts))
     return _host_callback(op, node)
+
+
+def without_empty_collective(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, a JAX function holding collectives over a mesh axis (inside ``shard_map``), that
+    sends none where its result is empty: zeros of the result's shapes instead (an empty array has
+    no values to exchange).  XLA's GPU compiler crashes (SIGSEGV, jax 0.11.2 on H100s) on a
+    collective of an empty operand, which JAX's CPU runtime runs.  Shapes are known when tracing,
+    so the choice costs nothing at run time."""
+    def run(*args: Any) -> Any:
+        import jax
+
+        if not any(0 in np.shape(a) for a in args):
+            return fn(*args)
+        shapes = jax.eval_shape(fn, *args)
+        if not all(0 in s.shape for s in jax.tree.leaves(shapes)):
+            return fn(*args)  # (an empty operand, a result that is not: the collective runs)
+        return jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
+
+    return run
 
 
 def _host_callback(op: Collective, node: Apply) -> Callable[..., Any]:

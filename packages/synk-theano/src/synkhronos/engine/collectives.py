@@ -41,6 +41,7 @@ from synkhronos.engine import COLLECT
 from synkhronos.engine.launch import ABORT_GRACE_S
 from synkhronos.engine.program import AXIS, _shard_map
 from synkhronos.engine.program import _reduce as _over_ranks
+from synkhronos.ops import without_empty_collective
 from synkhronos.runtime import Runtime, current
 
 if TYPE_CHECKING:
@@ -307,7 +308,7 @@ def _all_gather_here(rt: Runtime, variables: list[Any], lengths: list[tuple[int,
     def gather(*xs: Any) -> tuple[Any, ...]:
         out = []
         for x, ls in zip(xs, lengths):
-            stacked = jax.lax.all_gather(x, AXIS)
+            stacked = without_empty_collective(lambda v: jax.lax.all_gather(v, AXIS))(x)
             out.append(jnp.concatenate([stacked[r, :n] for r, n in enumerate(ls)], axis=0))
         return tuple(out)
 

@@ -45,6 +45,7 @@ import numpy as np
 from synkhronos.calls import NONE, CallPlan
 from synkhronos.engine.phases import PHASES
 from synkhronos.engine.segments import Segment, from_rows, split
+from synkhronos.ops import without_empty_collective
 from synkhronos.replica import Replica
 
 if TYPE_CHECKING:
@@ -159,7 +160,12 @@ def _output_form(op: str, dtype: np.dtype) -> str:
 
 
 def _reduce(value: Any, form: str, dtype: np.dtype) -> Any:
-    """One output of a rank, reduced over the ranks (inside ``shard_map``)."""
+    """One output of a rank, reduced over the ranks (inside ``shard_map``; an empty one without a
+    collective: :func:`~synkhronos.ops.without_empty_collective`)."""
+    return without_empty_collective(lambda v: _over_ranks(v, form, dtype))(value)
+
+
+def _over_ranks(value: Any, form: str, dtype: np.dtype) -> Any:
     import jax
 
     lax = jax.lax
@@ -489,7 +495,7 @@ def _uneven_body(fgraph: Any, stages: list[Segment], branches: tuple[int, ...], 
                             f"in-graph collective {node.op} of a value whose shape follows the rows: under uneven "
                             f"shares its ranks would hold shapes {found}. Reduce over the rows before the "
                             "collective, or split the rows evenly over the ranks (batch=)")
-                    out = jnp.asarray(fn(*ins))
+                    out = jnp.asarray(without_empty_collective(fn)(*ins))
                     env[node.outputs[0]] = out
                     for k in branches:
                         shapes[k][node.outputs[0]] = node.op.uneven_shape([h[k] for h in held], tuple(out.shape))
