@@ -200,11 +200,7 @@ def _call(group: Group, _payload: None) -> None:
             reason = program.shapes_differ  # shapes that follow the rows: per rank, where the master says what differs
             program = None
         if program is None:
-            if rep.has_collectives:
-                raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only "
-                                 f"in one program over the ranks, and this call cannot run as one: {reason}")
-            weight, outputs = calls.execute(rt, plan)
-            group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
+            _per_rank(group, rt, rep, plan, reason)
             return
         rows = (found[1] * rt.size if found else sum(int(p1 - p0) for p0, p1 in plan.positions)
                 if rep.spec.inputs else rt.size)
@@ -219,8 +215,8 @@ def _call(group: Group, _payload: None) -> None:
     try:
         outputs = program(rt.device, scattered, bcast, found[0][rt.rank] if found else 0)
     except ShapesDiffer as exc:  # found when tracing, alike in every rank: they all run it per rank instead
-        program.shapes_differ = str(exc)
-        _call(group, _payload)
+        program.shapes_differ = str(exc)  # (the next call of the plan knows it before tracing)
+        _per_rank(group, rt, rep, plan, str(exc))
         return
     if ph is not None:
         ph.mark("dispatch")
@@ -250,6 +246,16 @@ def _call(group: Group, _payload: None) -> None:
 
 _FORM = np.array(PROGRAM)
 _RESHAPED = np.array(RESHAPED)
+
+
+def _per_rank(group: Group, rt: Runtime, rep: Any, plan: calls.CallPlan, reason: str) -> None:
+    """Run the call as this rank's own program (``reason``: why not one program over the ranks) and
+    reply its share; a function with in-graph collectives cannot, and raises (in every rank alike)."""
+    if rep.has_collectives:
+        raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only "
+                         f"in one program over the ranks, and this call cannot run as one: {reason}")
+    weight, outputs = calls.execute(rt, plan)
+    group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
 
 
 @handler(VALUE)
