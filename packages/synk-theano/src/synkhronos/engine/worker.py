@@ -248,7 +248,7 @@ _FORM = np.array(PROGRAM)
 _RESHAPED = np.array(RESHAPED)
 
 
-def _per_rank(group: Group, rt: Runtime, rep: Any, plan: calls.CallPlan, reason: str) -> None:
+def _per_rank(group: Group, rt: Runtime, rep: Any, plan: calls.CallPlan, reason: str | None) -> None:
     """Run the call as this rank's own program (``reason``: why not one program over the ranks) and
     reply its share; a function with in-graph collectives cannot, and raises (in every rank alike)."""
     if rep.has_collectives:
