@@ -200,7 +200,8 @@ def _call(group: Group, _payload: None) -> None:
             reason = program.shapes_differ  # shapes that follow the rows: per rank, where the master says what differs
             program = None
         if program is None:
-            _per_rank(group, rt, rep, plan, reason)
+            _per_rank(group, rt, rep, plan, reason or "its JAX form takes shapes as arguments "
+                                                      "(scalar_shape_inputs), which one program cannot")
             return
         rows = (found[1] * rt.size if found else sum(int(p1 - p0) for p0, p1 in plan.positions)
                 if rep.spec.inputs else rt.size)
@@ -248,7 +249,7 @@ _FORM = np.array(PROGRAM)
 _RESHAPED = np.array(RESHAPED)
 
 
-def _per_rank(group: Group, rt: Runtime, rep: Any, plan: calls.CallPlan, reason: str | None) -> None:
+def _per_rank(group: Group, rt: Runtime, rep: Any, plan: calls.CallPlan, reason: str) -> None:
     """Run the call as this rank's own program (``reason``: why not one program over the ranks) and
     reply its share; a function with in-graph collectives cannot, and raises (in every rank alike)."""
     if rep.has_collectives:
