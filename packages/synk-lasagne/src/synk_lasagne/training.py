@@ -290,13 +290,15 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     every in-graph collective does, and applies the same update as the others.
 
     On the JAX engine (GPU mode) the step all-reduces each parameter's part of the flat gradient
-    on its own (:func:`synk_lasagne.updates.weighted_gradient_parts`): XLA combines them into a few
+    on its own (the parts of :func:`synk_lasagne.updates.weighted_gradient_parts`, which the
+    rule's flat gradient concatenates): XLA combines them into a few
     collectives and starts each while the rest of the backward pass runs (one all-reduce of the
     whole vector could only start after it); measured on 2 H100s in ``benchmarks/RESULTS.md``.
     Elsewhere (CPU mode's shared-memory collectives) one all-reduce of the flat vector is cheaper.
     """
     import pytensor.tensor as pt
     from pytensor.graph.replace import clone_replace
+    from pytensor.tensor.basic import Join
 
     import synkhronos as synk
     from synk_lasagne.layers.base import get_state_updates
@@ -321,8 +323,12 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     ((flat, local_flat, _),) = result.grad_updates
     targets = list(result.param_updates)
     rt = current()
-    if rt is not None and rt.engine is not None and rt.size > 1:  # one all-reduce per parameter, see Notes
-        parts = _updates.weighted_gradient_parts(loss, params, weight=weight)
+    node = local_flat.owner
+    if rt is not None and rt.engine is not None and rt.size > 1 and node is not None and isinstance(node.op, Join):
+        # one all-reduce per part of the flat gradient's concatenation (a sum all-reduce of each part,
+        # concatenated, is the all-reduce of the whole), see Notes; the parts are the vectors it joins
+        # (PyTensor before 3.3 passes the axis as a 0-d first input)
+        parts = [part for part in node.inputs if part.ndim == 1]
         reduced = pt.concatenate([synk.ops.all_reduce(part, "sum") for part in parts])
     else:
         reduced = synk.ops.all_reduce(local_flat, "sum")

@@ -280,7 +280,6 @@ class Program:
         mapped = _shard_map()(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
         self.jitted = jax.jit(mapped, donate_argnums=tuple(donate))
         self.replicated = NamedSharding(mesh, P())
-        self.size = int(mesh.devices.size)
         self._last: Any = ()
         # The shared variables' operands of the last call and the local values they stand for: the
         # next call reuses them while every variable still holds that value (no per-variable lookup).
