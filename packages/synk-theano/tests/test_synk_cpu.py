@@ -162,6 +162,31 @@ def test_an_op_without_jax_falls_back_to_the_default_mode_and_still_matches(defa
         np.testing.assert_allclose(synk.get_value(r, s), 1 + 2 * halves[r].sum())
 
 
+@needs_jax
+def test_a_fallen_back_function_reads_shared_values_that_a_jax_function_updated(default_backend_choice):
+    """A JAX-mode function leaves JAX arrays in the shared variables it updates; a function that fell
+    back to the default mode (Numba) reads them as numpy (seen: the main job's CNN, whose dropout
+    keeps its gradient function in the default mode while the update rule runs in JAX, raised
+    Numba's "Unknown attribute 'shape' of type readonly buffer")."""
+    xd = np.arange(24.0).reshape(8, 3)
+    x = pt.matrix("x")
+    w = pytensor.shared(np.ones(3), name="w")
+    synk.fork(2, use_gpu=False)
+    scale = synk.function([], updates=[(w, 2 * w + 1)], name="scale")
+    twice = synk.function([x], outputs=(TwiceInPython()(x).sum(axis=0) * w, "sum"),
+                          updates=[(w, w - 1)], name="twice")
+    expected_w = np.ones(3)
+    for _ in range(3):
+        scale()
+        expected_w = 2 * expected_w + 1
+        got = twice(synk.data(xd))
+        np.testing.assert_allclose(got, 2 * xd.sum(axis=0) * expected_w)
+        expected_w = expected_w - 1
+    assert scale._replica.full().mode == "JAX" and twice._replica.full().mode == "default"
+    for r in range(2):
+        np.testing.assert_allclose(synk.get_value(r, w), expected_w)
+
+
 def test_jax_or_default_recompiles_when_a_jax_call_fails_and_reruns_the_call():
     """A function that JAX compiles but cannot run (here: raises on its first call) falls back
     once; later calls use the default-mode function."""

@@ -25,6 +25,8 @@ import os
 import warnings
 from typing import Any
 
+import numpy as np
+
 __all__ = ["BACKEND_ENV", "PIN_ENV", "RANKS_ENV", "JaxOrDefault", "choose_backend", "default_ranks",
            "jax_importable", "pinning_enabled", "user_mode"]
 
@@ -161,7 +163,6 @@ def backport_jax_arange() -> None:
     if tuple(int(v) for v in pytensor.__version__.split(".")[:2] if v.isdigit()) >= (3, 3):
         return
     import jax.numpy as jnp
-    import numpy as np
     from pytensor.graph.basic import Constant
     from pytensor.link.jax.dispatch.basic import jax_funcify
     from pytensor.tensor.basic import ARange
@@ -192,12 +193,30 @@ def _draws_random_numbers(fn: Any) -> bool:
     return any(isinstance(getattr(v, "type", None), RandomType) for v in fn.maker.fgraph.inputs)
 
 
+def _shared_input_cells(fn: Any) -> list[list[Any]]:
+    """The storage cells of a compiled function's shared-variable inputs (their containers')."""
+    maker = getattr(fn, "maker", None)
+    if maker is None:
+        return []
+    return [container.storage for container, spec in zip(fn.input_storage, maker.inputs) if spec.implicit]
+
+
+def _numpy_in(cells: list[list[Any]]) -> None:
+    """Replace each JAX array (any array but numpy's) in ``cells`` with a writable numpy copy."""
+    for cell in cells:
+        value = cell[0]
+        if not isinstance(value, (np.ndarray, np.generic)) and hasattr(value, "__array__"):
+            cell[0] = np.array(value)
+
+
 class JaxOrDefault:
     """A function compiled in JAX mode, recompiled in PyTensor's default mode the first time JAX
     fails to compile or run it (one log line says so); the call that failed is run again there.
 
     A call that fails in both modes raises the default mode's error: the user's.  JAX computes
-    without side effects, so a failed JAX call changed no shared variable.
+    without side effects, so a failed JAX call changed no shared variable.  Before each call in the
+    default mode, a shared input that a JAX-mode function left as a JAX array becomes a numpy array
+    again (Numba cannot read JAX arrays).
 
     Parameters
     ----------
@@ -211,6 +230,7 @@ class JaxOrDefault:
         self._compile_fn = compile_fn
         self._name = name
         self._trust_input = False
+        self._shared_cells: list[list[Any]] = []
         self.mode = "JAX"
         try:
             with warnings.catch_warnings():
@@ -229,6 +249,7 @@ class JaxOrDefault:
         self.mode = "default"
         self.fn = self._compile_fn(None)
         self.fn.trust_input = self._trust_input
+        self._shared_cells = _shared_input_cells(self.fn)
 
     @property
     def trust_input(self) -> bool:
@@ -241,6 +262,7 @@ class JaxOrDefault:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.mode != "JAX":
+            _numpy_in(self._shared_cells)
             return self.fn(*args, **kwargs)
         try:
             return self.fn(*args, **kwargs)
@@ -248,6 +270,7 @@ class JaxOrDefault:
             raise
         except Exception as exc:
             self._fall_back(exc, "run")
+        _numpy_in(self._shared_cells)
         return self.fn(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # get_shared, maker, ...: the compiled function's
