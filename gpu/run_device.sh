@@ -17,7 +17,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2 | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2 | tiny16 | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -93,7 +93,8 @@ if [ "$what" = all ] || [ "$what" = cpu ]; then
 fi
 # CPU mode on 2 of the machine's cores (taskset: a quiet 2-core machine; two cores of different physical
 # cores, not one core's two hyperthreads): the tiny call at 2 ranks and the main job (data-parallel
-# against one process on both cores), twice each
+# against one process on both cores; by default each epoch's last, smaller batch dropped, against
+# --keep-last-batch, alternating), twice and three times
 if [ "$what" = cpu2 ]; then
   two=$(python3 -c "
 from synk_comm.cores import available, physical_core
@@ -105,10 +106,25 @@ print(','.join(map(str, list(first.values())[:2])))")
   for i in 1 2; do
     CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 100 python3 benchmarks/bench_cpu_scaling.py --only tiny \
       2>/dev/null | tee -a "$OUT/tiny_2cores.log" || status=1
-    CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 150 python3 examples/mnist/train_mnist.py --cpu --no-progress \
-      --plot "$OUT/mnist_2cores_$i.png" > "$OUT/mnist_2cores_$i.log" 2>&1 || status=1
-    grep -E "^(data-parallel|single process):|speedup|final test|total time" "$OUT/mnist_2cores_$i.log"
   done
+  for i in 1 2 3; do
+    for flags in "" --keep-last-batch; do
+      log="$OUT/mnist_2cores_$i${flags:+_keep}.log"
+      echo "run $i ${flags:-(defaults)}"
+      CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 150 python3 examples/mnist/train_mnist.py --cpu \
+        --no-progress $flags --plot "${log%.log}.png" > "$log" 2>&1 || status=1
+      grep -E "^(data-parallel|single process):|speedup|final test|total time" "$log"
+    done
+  done
+fi
+# The tiny call at 2 and 16 ranks on the machine's 16 cores, three times, then where its time goes
+if [ "$what" = tiny16 ]; then
+  for i in 1 2 3; do
+    CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 120 python3 benchmarks/bench_cpu_scaling.py --only tiny --tiny-ranks 2,16 \
+      2>/dev/null | tee -a "$OUT/tiny_16cores.log" || status=1
+  done
+  CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 benchmarks/probe_tiny_call.py --ranks 2,16 2>&1 \
+    | tee "$OUT/probe_tiny_16cores.log" || status=1
 fi
 # The training step on every GPU against hand-written JAX and DDP, under XLA flag variants, then
 # where the engine's step spends its host time (benchmarks/probe_gpu_step.py)

@@ -143,7 +143,24 @@ def test_main_job_runs(tmp_path, pattern):
         args.append("--no-baseline")
     result, pid = run_script(args, cwd=str(tmp_path))
     assert f"data: MNIST ({tmp_path})" in result.stdout, result.stdout
+    steps, trained, rows = map(int, re.search(r"epochs of (\d+) steps \((\d+) of (\d+) rows; the last, smaller "
+                                              r"batch dropped", result.stdout).groups())
+    assert trained == 64 * steps and rows - 64 < trained < rows  # the learnable set does not divide by 64
     check_job(result, pid, png, baseline=pattern == "host")
+
+
+def test_the_main_job_drops_the_last_smaller_batch_unless_told():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_mnist", SCRIPT)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    default = job.parse_args([])
+    assert job.drops_last_batch(default, 1258) and job.describe_epoch(default, 1258).startswith("1 step (1024 of 1258")
+    kept = job.parse_args(["--keep-last-batch"])
+    assert not job.drops_last_batch(kept, 1258) and job.describe_epoch(kept, 1258) == "2 steps (1258 of 1258 rows)"
+    small = job.parse_args(["--batch-size", "2000"])  # no whole batch: the one smaller batch is kept
+    assert not job.drops_last_batch(small, 1258) and job.describe_epoch(small, 1258) == "1 step (1258 of 1258 rows)"
 
 
 @pytest.mark.timeout(300)

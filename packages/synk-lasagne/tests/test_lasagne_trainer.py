@@ -78,6 +78,35 @@ def test_fit_over_host_data_matches_single_process(ranks, data, reference):
     assert trainer.fit((x_data, y_data), epochs=1)[0]["epoch"] == 3  # epochs keep counting
 
 
+def test_drop_last_skips_the_last_smaller_batch_and_matches_single_process(ranks, data, reference):
+    x, y, x_data, y_data = data
+    xs, ys, params, loss, _ = model()
+    train = make_train_function(loss, params, [xs, ys], updates.sgd, learning_rate=0.1, function_kwargs=FAST)
+    history = quiet(train, batch_size=8, seed=5, drop_last=True).fit((x_data, y_data), epochs=2)
+
+    rng = np.random.default_rng(5)
+    ref, rule = initial_params(), NumpyRule("sgd", learning_rate=0.1)
+    for _ in range(2):
+        order = rng.permutation(N_ROWS)
+        for start in range(0, 40, 8):  # 5 batches of 8; the last 5 rows dropped
+            _, grads = reference(x[order[start:start + 8]], y[order[start:start + 8]], ref)
+            ref = rule.step(ref, grads)
+    assert_every_rank(params, ref, ranks, "drop_last, 2 epochs")
+    assert [h["samples"] for h in history] == [40, 40]
+
+
+def test_an_epoch_without_a_batch_is_an_error_that_says_why(ranks, data):
+    _, _, x_data, y_data = data
+    xs, ys, params, loss, _ = model()
+    train = make_train_function(loss, params, [xs, ys], updates.sgd, learning_rate=0.1, function_kwargs=FAST)
+    before = [v.get_value() for v in params]
+    with pytest.raises(ValueError, match=r"batch_size=64 .* 45 rows .* drop_last"):
+        quiet(train, batch_size=64, drop_last=True).fit((x_data, y_data), epochs=1)
+    for var, value in zip(params, before):
+        np.testing.assert_array_equal(var.get_value(), value)
+    assert quiet(train, batch_size=64).fit((x_data, y_data), epochs=1)[0]["samples"] == N_ROWS  # still usable
+
+
 def test_fit_over_scattered_data_matches_single_process(ranks, reference):
     x, y = make_data(29, seed=13)
     x_s = pytensor.shared(np.zeros((0, x.shape[1])), name="x_s")

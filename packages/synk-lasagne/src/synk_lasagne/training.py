@@ -512,7 +512,9 @@ class Trainer:
         A new random order of the rows every epoch (``numpy.random.default_rng(seed)``).
     seed : int
     drop_last : bool
-        Skip the last, smaller batch of an epoch (it is exact either way).
+        Skip the last, smaller batch of an epoch (it is exact either way).  In data-parallel training
+        that batch costs a whole step's round trip between the ranks for a few rows; Lasagne's MNIST
+        example drops it too.  With fewer rows than ``batch_size``, :meth:`fit` raises ValueError.
     eval_slices : int
         ``num_slices`` of the validation call (bounds memory on a large validation set).
     progress : bool or None
@@ -669,6 +671,11 @@ class Trainer:
         since_best = 0
         for epoch in range(first, first + epochs):
             batches = self._host_batches(train) if train else self._scattered_batches()
+            if not batches:
+                have = f"the {len(train[0])} rows of the training data" if train else "a rank's scattered rows"
+                raise ValueError(f"an epoch has no batch: batch_size={self.batch_size} is more than {have}, and "
+                                 "drop_last=True drops the one smaller batch; pass a smaller batch_size or "
+                                 "drop_last=False")
             total = sum(n for _, n in batches)
             sums = np.zeros(len(names))
             rows = 0
