@@ -107,7 +107,7 @@ print(','.join(map(str, list(first.values())[:2])))")
     CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 100 python3 benchmarks/bench_cpu_scaling.py --only tiny \
       2>/dev/null | tee -a "$OUT/tiny_2cores.log" || status=1
   done
-  for i in 1 2 3; do
+  for i in $(seq "${RUNS:-3}"); do
     for flags in "" --keep-last-batch; do
       log="$OUT/mnist_2cores_$i${flags:+_keep}.log"
       echo "run $i ${flags:-(defaults)}"
