@@ -16,7 +16,7 @@ from synk_testutil import TIMEOUT, USE_GPU, TwiceInPython, worker_pids
 
 import synkhronos as synk
 from synk_comm import cores
-from synkhronos import cpu
+from synkhronos import cpu, ops
 from synkhronos.runtime import current
 
 pytestmark = [pytest.mark.timeout(TIMEOUT),
@@ -163,26 +163,30 @@ def test_an_op_without_jax_falls_back_to_the_default_mode_and_still_matches(defa
 
 
 @needs_jax
-def test_a_fallen_back_function_reads_shared_values_that_a_jax_function_updated(default_backend_choice):
-    """A JAX-mode function leaves JAX arrays in the shared variables it updates; a function that fell
-    back to the default mode (Numba) reads them as numpy (seen: the main job's CNN, whose dropout
-    keeps its gradient function in the default mode while the update rule runs in JAX, raised
-    Numba's "Unknown attribute 'shape' of type readonly buffer")."""
+@pytest.mark.parametrize("why", ["fallback", "collectives", "own mode"])
+def test_a_function_of_another_mode_reads_shared_values_that_a_jax_function_updated(default_backend_choice, why):
+    """A JAX-mode function leaves JAX arrays in the shared variables it updates; a function of the
+    default mode -- fallen back (an Op without JAX), compiled apart (in-graph collectives), or of
+    the user's own mode -- reads them as numpy (seen: the main job's CNN, whose dropout keeps its
+    gradient function in the default mode while the update rule runs in JAX, raised Numba's
+    "Unknown attribute 'shape' of type readonly buffer")."""
     xd = np.arange(24.0).reshape(8, 3)
     x = pt.matrix("x")
     w = pytensor.shared(np.ones(3), name="w")
     synk.fork(2, use_gpu=False)
     scale = synk.function([], updates=[(w, 2 * w + 1)], name="scale")
-    twice = synk.function([x], outputs=(TwiceInPython()(x).sum(axis=0) * w, "sum"),
-                          updates=[(w, w - 1)], name="twice")
+    column_sums = {"fallback": lambda: TwiceInPython()(x).sum(axis=0) / 2,
+                   "collectives": lambda: ops.all_reduce(x.sum(axis=0), "sum") / 2,
+                   "own mode": lambda: x.sum(axis=0)}[why]()
+    kwargs = {"mode": "FAST_RUN"} if why == "own mode" else {}
+    other = synk.function([x], outputs=(column_sums * w, "sum"), updates=[(w, w - 1)], name="other", **kwargs)
     expected_w = np.ones(3)
     for _ in range(3):
         scale()
         expected_w = 2 * expected_w + 1
-        got = twice(synk.data(xd))
-        np.testing.assert_allclose(got, 2 * xd.sum(axis=0) * expected_w)
+        np.testing.assert_allclose(other(synk.data(xd)), xd.sum(axis=0) * expected_w)  # each way: summed over ranks
         expected_w = expected_w - 1
-    assert scale._replica.full().mode == "JAX" and twice._replica.full().mode == "default"
+    assert scale._replica.full().mode == "JAX" and getattr(other._replica.full(), "mode", None) != "JAX"
     for r in range(2):
         np.testing.assert_allclose(synk.get_value(r, w), expected_w)
 

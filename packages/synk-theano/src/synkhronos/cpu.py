@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BACKEND_ENV", "PIN_ENV", "RANKS_ENV", "JaxOrDefault", "choose_backend", "default_ranks",
-           "jax_importable", "pinning_enabled", "user_mode"]
+__all__ = ["BACKEND_ENV", "PIN_ENV", "RANKS_ENV", "JaxOrDefault", "NumpySharedInputs", "choose_backend",
+           "default_ranks", "jax_importable", "pinning_enabled", "reading_numpy", "user_mode"]
 
 log = logging.getLogger("synkhronos")
 
@@ -209,14 +209,54 @@ def _numpy_in(cells: list[list[Any]]) -> None:
             cell[0] = np.array(value)
 
 
+class NumpySharedInputs:
+    """A function compiled in a mode other than JAX, in a rank whose other functions compute in
+    JAX: before each call, every shared input that a JAX-mode function left as a JAX array becomes
+    a numpy array again (Numba cannot read JAX arrays).  Only such values are copied, once: the
+    function's own updates leave numpy arrays.
+
+    Parameters
+    ----------
+    fn : callable
+        The compiled PyTensor function; its other attributes are reached through this object.
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._cells = _shared_input_cells(fn)
+
+    @property
+    def trust_input(self) -> bool:
+        return bool(self.fn.trust_input)
+
+    @trust_input.setter
+    def trust_input(self, value: bool) -> None:
+        self.fn.trust_input = value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _numpy_in(self._cells)
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+
+def reading_numpy(fn: Any) -> Any:
+    """``fn`` as it is when it computes in JAX, else :class:`NumpySharedInputs` around it."""
+    from pytensor.link.jax.linker import JAXLinker
+
+    maker = getattr(fn, "maker", None)
+    return fn if isinstance(getattr(maker, "linker", None), JAXLinker) else NumpySharedInputs(fn)
+
+
 class JaxOrDefault:
     """A function compiled in JAX mode, recompiled in PyTensor's default mode the first time JAX
     fails to compile or run it (one log line says so); the call that failed is run again there.
 
     A call that fails in both modes raises the default mode's error: the user's.  JAX computes
-    without side effects, so a failed JAX call changed no shared variable.  Before each call in the
-    default mode, a shared input that a JAX-mode function left as a JAX array becomes a numpy array
-    again (Numba cannot read JAX arrays).
+    without side effects, so a failed JAX call changed no shared variable.  The default-mode
+    function reads shared values that JAX-mode functions updated as numpy
+    (:class:`NumpySharedInputs`).
 
     Parameters
     ----------
@@ -230,7 +270,6 @@ class JaxOrDefault:
         self._compile_fn = compile_fn
         self._name = name
         self._trust_input = False
-        self._shared_cells: list[list[Any]] = []
         self.mode = "JAX"
         try:
             with warnings.catch_warnings():
@@ -247,9 +286,8 @@ class JaxOrDefault:
         log.info("synkhronos: function %s could not %s in JAX mode (%s: %s); it runs in PyTensor's "
                  "default mode", self._name, when, type(exc).__name__, str(exc).splitlines()[0][:200])
         self.mode = "default"
-        self.fn = self._compile_fn(None)
+        self.fn = NumpySharedInputs(self._compile_fn(None))
         self.fn.trust_input = self._trust_input
-        self._shared_cells = _shared_input_cells(self.fn)
 
     @property
     def trust_input(self) -> bool:
@@ -262,7 +300,6 @@ class JaxOrDefault:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.mode != "JAX":
-            _numpy_in(self._shared_cells)
             return self.fn(*args, **kwargs)
         try:
             return self.fn(*args, **kwargs)
@@ -270,7 +307,6 @@ class JaxOrDefault:
             raise
         except Exception as exc:
             self._fall_back(exc, "run")
-        _numpy_in(self._shared_cells)
         return self.fn(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # get_shared, maker, ...: the compiled function's

@@ -145,12 +145,15 @@ class CpuDevice(Device):
         the shared-memory collectives directly, where under JAX they would run in host callbacks
         on XLA's threads -- and a rank pinned to one core has one such thread, which a callback
         reading its own arguments can wait on forever (seen: the main job's train step hung after
-        about 30 epochs)."""
+        about 30 epochs).  Backend ``"jax"``: a function compiled in another mode reads the shared
+        values that JAX-mode functions updated as numpy (:class:`~synkhronos.cpu.NumpySharedInputs`)."""
         own_mode = kwargs.get("mode") is not None
-        if self.backend != "jax" or own_mode or (collectives and self.collectives_compile_apart(own_mode)):
+        if self.backend != "jax":
             return build(**kwargs)
-        from synkhronos.cpu import JaxOrDefault
+        from synkhronos.cpu import JaxOrDefault, reading_numpy
 
+        if own_mode or (collectives and self.collectives_compile_apart(own_mode)):
+            return reading_numpy(build(**kwargs))
         return JaxOrDefault(lambda mode: build(**kwargs) if mode is None else build(**kwargs, mode=mode),
                             name or "(unnamed)")
 
