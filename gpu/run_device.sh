@@ -92,9 +92,10 @@ if [ "$what" = all ] || [ "$what" = cpu ]; then
   CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 300 python3 benchmarks/bench_cpu_scaling.py 2>&1 | tee "$OUT/bench_cpu_scaling.log" || status=1
 fi
 # CPU mode on 2 of the machine's cores (taskset: a quiet 2-core machine; two cores of different physical
-# cores, not one core's two hyperthreads): the tiny call at 2 ranks and the main job (data-parallel
-# against one process on both cores; by default each epoch's last, smaller batch dropped, against
-# --keep-last-batch, alternating), twice and three times
+# cores, not one core's two hyperthreads): the tiny call at 2 ranks (twice; TINY=0 skips it) and the
+# main job (data-parallel against one process on both cores), RUNS rounds (default 3) of its
+# VARIANTS alternating: ';'-separated sets of flags (default: the defaults, then --keep-last-batch),
+# e.g. VARIANTS='--layers 8;--layers 12' (a leading ';': the defaults first)
 if [ "$what" = cpu2 ]; then
   two=$(python3 -c "
 from synk_comm.cores import available, physical_core
@@ -103,28 +104,42 @@ for c in available():
     first.setdefault(physical_core(c), c)
 print(','.join(map(str, list(first.values())[:2])))")
   echo "cores $two; cpu0's hyperthreads: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list)"
-  for i in 1 2; do
-    CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 100 python3 benchmarks/bench_cpu_scaling.py --only tiny \
-      2>/dev/null | tee -a "$OUT/tiny_2cores.log" || status=1
-  done
+  if [ "${TINY:-1}" != 0 ]; then
+    for i in 1 2; do
+      CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 100 python3 benchmarks/bench_cpu_scaling.py --only tiny \
+        2>/dev/null | tee -a "$OUT/tiny_2cores.log" || status=1
+    done
+  fi
+  IFS=';' read -ra variants <<< "${VARIANTS:-;--keep-last-batch}"
   for i in $(seq "${RUNS:-3}"); do
-    for flags in "" --keep-last-batch; do
-      log="$OUT/mnist_2cores_$i${flags:+_keep}.log"
+    for v in "${!variants[@]}"; do
+      flags=${variants[$v]}
+      log="$OUT/mnist_2cores_${i}_$v.log"
       echo "run $i ${flags:-(defaults)}"
+      # shellcheck disable=SC2086  # a variant's flags split on spaces
       CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 150 python3 examples/mnist/train_mnist.py --cpu \
         --no-progress $flags --plot "${log%.log}.png" > "$log" 2>&1 || status=1
       grep -E "^(data-parallel|single process):|speedup|final test|total time" "$log"
     done
   done
 fi
-# The tiny call at 2 and 16 ranks on the machine's 16 cores, three times, then where its time goes
+# The tiny call at 2 and 16 ranks on the machine's 16 cores, three times, then where its time goes;
+# with BASE=<dir holding another tree's packages/> (carried), that tree's run before each of ours
 if [ "$what" = tiny16 ]; then
+  trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
+  tree_path() { local t; t=$(cd "$1" && pwd); echo "/tmp/site:$t/packages/synk-shm/src:$t/packages/synk-comm/src:$t/packages/synk-theano/src:$t/packages/synk-lasagne/src"; }
   for i in 1 2 3; do
-    CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 120 python3 benchmarks/bench_cpu_scaling.py --only tiny --tiny-ranks 2,16 \
-      2>/dev/null | tee -a "$OUT/tiny_16cores.log" || status=1
+    for tree in "${trees[@]}"; do
+      echo "== tree $tree, run $i"
+      PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 120 python3 benchmarks/bench_cpu_scaling.py \
+        --only tiny --tiny-ranks 2,16 2>/dev/null | tee -a "$OUT/tiny_16cores.log" || status=1
+    done
   done
-  CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 benchmarks/probe_tiny_call.py --ranks 2,16 2>&1 \
-    | tee "$OUT/probe_tiny_16cores.log" || status=1
+  for tree in "${trees[@]}"; do
+    echo "== tree $tree, probe"
+    PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 benchmarks/probe_tiny_call.py \
+      --ranks 2,16 2>&1 | tee -a "$OUT/probe_tiny_16cores.log" || status=1
+  done
 fi
 # The training step on every GPU against hand-written JAX and DDP, under XLA flag variants, then
 # where the engine's step spends its host time (benchmarks/probe_gpu_step.py)

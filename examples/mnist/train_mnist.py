@@ -199,6 +199,7 @@ def train_and_test(args: argparse.Namespace, data: mnist.Dataset) -> tuple[list[
     trainer = Trainer(train, eval_fn=evaluate, batch_size=args.batch_size, seed=args.seed,
                       eval_slices=args.eval_slices, drop_last=drops_last_batch(args, len(data.x_train)),
                       progress=False if args.no_progress else None)
+    print(f"{args.epochs} epochs of {describe_epoch(trainer, train_data)}", flush=True)
     history = trainer.fit(train_data, epochs=args.epochs, valid=valid)
     return history, evaluate(*test, num_slices=args.eval_slices)
 
@@ -275,10 +276,10 @@ def drops_last_batch(args: argparse.Namespace, rows: int) -> bool:
     return not args.keep_last_batch and rows >= args.batch_size
 
 
-def describe_epoch(args: argparse.Namespace, rows: int) -> str:
-    """An epoch's steps and training rows, e.g. ``1 step (1024 of 1258 rows; ...)``."""
-    full, rest = divmod(rows, args.batch_size)
-    steps, trained = (full, full * args.batch_size) if drops_last_batch(args, rows) else (full + (rest > 0), rows)
+def describe_epoch(trainer: Trainer, train: tuple[Any, ...]) -> str:
+    """An epoch's steps and training rows (:meth:`Trainer.epoch_size`), e.g. ``1 step (1024 of
+    1258 rows; ...)``."""
+    steps, trained, rows = trainer.epoch_size(train)
     text = f"{steps} step{'s' if steps != 1 else ''} ({trained} of {rows} rows"
     if trained < rows:
         text += "; the last, smaller batch dropped: --keep-last-batch trains on it"
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {data.source}: {len(data.x_train)} train, {len(data.x_valid)} validation, {len(data.x_test)} "
           f"test images of {data.image_shape[0]}x{data.image_shape[1]}")
     print(f"model: {describe_model(args, data)}, {args.rule} (learning rate {args.learning_rate}), batch "
-          f"{args.batch_size}, {args.epochs} epochs of {describe_epoch(args, len(data.x_train))}")
+          f"{args.batch_size}")
     runs = [run(args, data, args.n_parallel, "data-parallel")]
     if not args.no_baseline:
         runs.append(baseline_in_fresh_interpreter(argv))

@@ -156,6 +156,18 @@ def sum_ranks(group: synk_comm.Group, payload: Any) -> np.ndarray:
     return group.all_reduce(np.full(int(payload or 4), float(group.rank)), "sum")
 
 
+@synk_comm.handler("reply_shapes")
+def reply_shapes(group: synk_comm.Group, payload: Any) -> None:
+    """Workers reply ``rank + arange(n)`` for each ``n`` of ``payload[rank]`` (float64), or, when
+    ``payload[rank]`` is None, an error message (a pickle in the same mailbox)."""
+    if group.is_master:
+        return
+    sizes = payload[group.rank]
+    if sizes is None:
+        raise ValueError(f"no reply from rank {group.rank}")
+    group.reply([group.rank + np.arange(n, dtype=np.float64) for n in sizes])
+
+
 @synk_comm.handler("pids")
 def pids(group: synk_comm.Group, payload: Any) -> list[Any]:
     return group.gather_object(os.getpid())  # type: ignore[return-value]

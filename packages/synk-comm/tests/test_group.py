@@ -103,6 +103,28 @@ def test_command_runs_in_every_rank(group):
     np.testing.assert_array_equal(res, np.full(4, 3.0))
 
 
+def test_replies_follow_every_change_of_layout_and_buffer(group):
+    """The master keeps its views of the workers' replies while no layout changes
+    (``Buffers.read_each``): same layouts, then new shapes in one rank, then back, then a reply
+    larger than the mailbox (a new segment), then an error message in the mailbox in between."""
+    plans = [{1: [1], 2: [1]}, {1: [1], 2: [1]}, {1: [1], 2: [3, 2]}, {1: [1], 2: [1]}, {1: [100_000], 2: [1]},
+             {1: [2], 2: [2]}, {1: None, 2: [2]}, {1: [2], 2: [2]}, {1: [5], 2: [2]}]
+    for plan in plans:
+        if plan[1] is None:
+            with pytest.raises(WorkerError, match="no reply from rank 1"), group.command("reply_shapes", plan):
+                pass
+            continue
+        with group.command("reply_shapes", plan):
+            pass
+        for copy in (False, True):
+            replies = group.replies(copy=copy)
+            assert sorted(replies) == [1, 2]
+            for rank, arrays in replies.items():
+                assert len(arrays) == len(plan[rank]), (plan, rank)
+                for a, n in zip(arrays, plan[rank]):
+                    np.testing.assert_array_equal(a, rank + np.arange(n), err_msg=f"{plan}, rank {rank}")
+
+
 def test_unknown_handler_is_value_error(group):
     with pytest.raises(ValueError, match="no handler named 'no_such_handler'"):
         group.run("no_such_handler")

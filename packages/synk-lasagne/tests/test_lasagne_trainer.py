@@ -73,6 +73,7 @@ def test_fit_over_host_data_matches_single_process(ranks, data, reference):
         losses.append(weighted / N_ROWS)
     assert_every_rank(params, ref, ranks, "after 2 epochs")
     assert [h["epoch"] for h in history] == [1, 2]
+    assert trainer.epoch_size((x_data, y_data)) == (6, N_ROWS, N_ROWS)  # the steps of the reference above
     assert all(h["samples"] == N_ROWS and h["samples_per_s"] > 0 for h in history)
     np.testing.assert_allclose([h["train_loss"] for h in history], losses, rtol=1e-9)
     assert trainer.fit((x_data, y_data), epochs=1)[0]["epoch"] == 3  # epochs keep counting
@@ -82,7 +83,8 @@ def test_drop_last_skips_the_last_smaller_batch_and_matches_single_process(ranks
     x, y, x_data, y_data = data
     xs, ys, params, loss, _ = model()
     train = make_train_function(loss, params, [xs, ys], updates.sgd, learning_rate=0.1, function_kwargs=FAST)
-    history = quiet(train, batch_size=8, seed=5, drop_last=True).fit((x_data, y_data), epochs=2)
+    trainer = quiet(train, batch_size=8, seed=5, drop_last=True)
+    history = trainer.fit((x_data, y_data), epochs=2)
 
     rng = np.random.default_rng(5)
     ref, rule = initial_params(), NumpyRule("sgd", learning_rate=0.1)
@@ -93,6 +95,7 @@ def test_drop_last_skips_the_last_smaller_batch_and_matches_single_process(ranks
             ref = rule.step(ref, grads)
     assert_every_rank(params, ref, ranks, "drop_last, 2 epochs")
     assert [h["samples"] for h in history] == [40, 40]
+    assert trainer.epoch_size((x_data, y_data)) == (5, 40, N_ROWS)
 
 
 def test_an_epoch_without_a_batch_is_an_error_that_says_why(ranks, data):
@@ -115,7 +118,8 @@ def test_fit_over_scattered_data_matches_single_process(ranks, reference):
     train = make_train_function(loss_graph(x_s, y_s, params), params, [], updates.adam, learning_rate=0.01,
                                 sliceable_shareds=[x_s, y_s], function_kwargs=FAST)
     synk.scatter([x_s, y_s], [x, y])
-    history = quiet(train, batch_size=7, seed=3).fit((), epochs=2)
+    trainer = quiet(train, batch_size=7, seed=3)
+    history = trainer.fit((), epochs=2)
 
     rng = np.random.default_rng(3)
     local = np.array_split(np.arange(len(x)), ranks)
@@ -130,6 +134,12 @@ def test_fit_over_scattered_data_matches_single_process(ranks, reference):
             ref = rule.step(ref, grads)
     assert_every_rank(params, ref, ranks, "scattered data, 2 epochs")
     assert [h["samples"] for h in history] == [len(x), len(x)]
+    assert trainer.epoch_size() == (steps, len(x), len(x))
+
+    dropping = quiet(train, batch_size=7, seed=3, drop_last=True)  # each rank's whole shares only
+    whole = min(len(part) // b for part, b in zip(local, shares))
+    assert dropping.epoch_size() == (whole, whole * 7, len(x))
+    assert dropping.fit((), epochs=1)[0]["samples"] == whole * 7
 
 
 def test_validation_over_the_whole_set_with_slices(ranks, data):

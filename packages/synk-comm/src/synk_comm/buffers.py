@@ -4,7 +4,10 @@ Each rank owns ``NBUF`` growable segments: two that collectives use in turn (so 
 never needs a trailing barrier: the buffer it wrote is written again only two collectives later,
 after a barrier that every reader has passed) and a mailbox for command payloads and errors.  The
 owner grows a buffer by creating a larger segment under a new tag, recorded in its control row;
-a reader compares tags and re-attaches when the owner moved.
+a reader compares tags and re-attaches when the owner moved.  Every new message layout (a new
+segment's first included) also counts up one header slot per buffer index, shared by all ranks:
+a reader of many ranks' messages (:meth:`Buffers.read_each`) keeps its views while that count
+stands still, one comparison whatever the number of ranks.
 
 A published message is a set of arrays laid out as::
 
@@ -22,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from synk_comm.lockstep import NBUF, ControlBlock
+from synk_comm.lockstep import LAYOUTS, NBUF, ControlBlock
 from synk_shm import SharedArray
 
 __all__ = ["Buffers"]
@@ -63,6 +66,8 @@ class Buffers:
         self.size = size
         self._tags = control.rows["buf_tag"]  # (size, NBUF) int64 view
         self._caps = control.rows["buf_cap"]
+        self._layouts_written = control.header[LAYOUTS:LAYOUTS + NBUF]  # by any rank, per buffer index
+        self._each: dict[int, tuple[Sequence[int], int, list[list[np.ndarray]]]] = {}
         self._own: list[_Mapped | None] = [None] * NBUF
         self._peers: dict[tuple[int, int], tuple[int, _Mapped]] = {}
         self._layouts: dict[tuple[tuple[Any, tuple[int, ...]], ...], tuple[bytes, int, list[int]]] = {}
@@ -86,6 +91,7 @@ class Buffers:
             self._own[k] = mapped = _Mapped(seg)
             self._caps[self.rank, k] = capacity
             self._tags[self.rank, k] = tag
+            self._layouts_written[k] += 1  # a new segment: read_each's views of the old one are stale
         return mapped
 
     def _layout(self, arrays: Sequence[np.ndarray]) -> tuple[bytes, int, list[int]]:
@@ -112,6 +118,7 @@ class Buffers:
             return mapped.written[1]  # same layout as the last message: header and views still hold
         mapped.meta_len[0] = len(meta)
         mapped.meta[: len(meta)] = np.frombuffer(meta, np.uint8)
+        self._layouts_written[k] += 1  # read_each's readers look again (ranks racing here still count up)
         seg = mapped.seg
         views = [seg.view(a.shape, a.dtype, off) for a, off in zip(arrays, offsets)]
         mapped.written = (meta, views)
@@ -160,6 +167,19 @@ class Buffers:
         mapped.cache = (meta, views)
         return views
 
+    def read_each(self, ranks: Sequence[int], k: int) -> list[list[np.ndarray]]:
+        """:meth:`read` of buffer ``k`` of each of ``ranks`` (the same sequence object from call to
+        call), after every rank wrote its message: while no rank wrote a new layout into a buffer
+        ``k`` since the last call, the views of then, after one comparison (a master reading
+        every worker's reply: no Python per rank)."""
+        written = int(self._layouts_written[k])
+        last = self._each.get(k)
+        if last is not None and last[0] is ranks and last[1] == written:
+            return last[2]
+        views = [self.read(r, k) for r in ranks]
+        self._each[k] = (ranks, written, views)
+        return views
+
     def read_bytes(self, rank: int, k: int) -> bytes:
         return self.read(rank, k)[0].tobytes()
 
@@ -172,3 +192,4 @@ class Buffers:
             mapped.close()
         self._own = [None] * NBUF
         self._peers.clear()
+        self._each.clear()

@@ -332,10 +332,10 @@ class Group:
     def replies(self, copy: bool = True) -> dict[int, list[np.ndarray]]:
         """In the master, after a command: each worker's :meth:`reply`, by rank: copies, or with
         ``copy=False`` views of the workers' buffers, valid until the next command."""
-        read = self.buffers.read
+        views = self.buffers.read_each(self.workers, MAILBOX)
         if not copy:
-            return {r: read(r, MAILBOX) for r in self.workers}
-        return {r: [v.copy() for v in read(r, MAILBOX)] for r in self.workers}
+            return dict(zip(self.workers, views))
+        return {r: [v.copy() for v in arrays] for r, arrays in zip(self.workers, views)}
 
     def run(self, name: str, payload: Any = None) -> Any:
         """Run handler ``name`` in every rank (master included); returns the master's result."""

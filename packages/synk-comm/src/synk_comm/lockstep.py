@@ -30,8 +30,8 @@ __all__ = ["ControlBlock", "Semaphores", "wait", "POLL_S"]
 POLL_S = 0.05
 """Seconds between liveness checks while waiting."""
 
-# header slots
-CMD, PAYLOAD_NBYTES, ABORT, STARTED = range(4)
+# header slots; LAYOUTS + k (k < NBUF): how often any rank wrote a new message layout into its buffer k
+CMD, PAYLOAD_NBYTES, ABORT, STARTED, LAYOUTS = range(5)
 HEADER_LEN = 16
 
 NBUF = 3  # per rank: two alternating collective buffers and a mailbox

@@ -575,18 +575,49 @@ class Trainer:
         self._best_values: list[np.ndarray] | None = None
 
     # -- batches --------------------------------------------------------------------------------
-    def _host_batches(self, train: Sequence[Any]) -> list[tuple[dict[str, Any], int]]:
+    def epoch_size(self, train: Sequence[Any] = ()) -> tuple[int, int, int]:
+        """One epoch of :meth:`fit` over ``train``: ``(steps, rows trained, rows available)``.
+
+        The same arithmetic as :meth:`fit`'s batches, without drawing an order: with
+        ``drop_last`` the rows trained are fewer than the rows available by the last, smaller
+        batch.  ``train`` as in :meth:`fit`: the host pattern's Data, or empty for scattered data
+        (then the rows are every rank's).
+
+        Examples
+        --------
+        >>> Trainer(train, batch_size=1024, drop_last=True).epoch_size((x_data, y_data))  # doctest: +SKIP
+        (1, 1024, 1258)
+        """
+        if train:
+            n = self._host_rows(train)
+            spans = self._host_spans(n)
+            return len(spans), sum(stop - start for start, stop in spans), n
+        lengths, shares, steps = self._scattered_split()
+        trained = sum(min(n, steps * b) for n, b in zip(lengths, shares))
+        return steps, trained, sum(lengths)
+
+    def _host_rows(self, train: Sequence[Any]) -> int:
         n = len(train[0])
         if any(len(d) != n for d in train):
             raise ValueError(f"the training Data have different lengths {[len(d) for d in train]}")
+        return n
+
+    def _host_spans(self, n: int) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each step's positions in an epoch's order of ``n`` rows."""
         bs = self.batch_size
         stops = range(bs, n + 1, bs) if self.drop_last else range(bs, n + bs, bs)
+        return [(s - bs, min(s, n)) for s in stops]
+
+    def _host_batches(self, train: Sequence[Any]) -> list[tuple[dict[str, Any], int]]:
+        n = self._host_rows(train)
+        spans = self._host_spans(n)
         if self.shuffle:
             order = self.rng.permutation(n)
-            return [({"batch": order[s - bs:min(s, n)]}, min(s, n) - (s - bs)) for s in stops]
-        return [({"batch": slice(s - bs, min(s, n))}, min(s, n) - (s - bs)) for s in stops]
+            return [({"batch": order[start:stop]}, stop - start) for start, stop in spans]
+        return [({"batch": slice(start, stop)}, stop - start) for start, stop in spans]
 
-    def _scattered_batches(self) -> list[tuple[dict[str, Any], int]]:
+    def _scattered_split(self) -> tuple[list[int], list[int], int]:
+        """Each rank's rows, its rows per step, and the steps of an epoch (scattered data)."""
         import synkhronos as synk
 
         sliceable = self.train_fn.sliceable_shareds
@@ -603,6 +634,10 @@ class Trainer:
             steps = min(n // b for n, b in zip(lengths, shares))
         else:
             steps = max(math.ceil(n / b) for n, b in zip(lengths, shares))
+        return lengths, shares, steps
+
+    def _scattered_batches(self) -> list[tuple[dict[str, Any], int]]:
+        lengths, shares, steps = self._scattered_split()
         orders = [self.rng.permutation(n) if self.shuffle else np.arange(n) for n in lengths]
         batches = []
         for k in range(steps):
