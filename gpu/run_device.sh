@@ -11,7 +11,9 @@ OUT=${OUT:-/tmp/synk-out}; mkdir -p "$OUT"
 # once per machine: a warm machine's later calls (and parts run side by side) find it installed
 [ -e /tmp/site/.synk-wheels ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && touch /tmp/site/.synk-wheels; } || exit 1
-export PYTHONPATH=/tmp/site:$PWD/packages/synk-shm/src:$PWD/packages/synk-comm/src:$PWD/packages/synk-theano/src:$PWD/packages/synk-lasagne/src
+# the wheels, then the packages of a tree (this one, or another one's copy: tiny16's BASE) from source
+tree_path() { local t; t=$(cd "$1" && pwd); echo "/tmp/site:$t/packages/synk-shm/src:$t/packages/synk-comm/src:$t/packages/synk-theano/src:$t/packages/synk-lasagne/src"; }
+PYTHONPATH=$(tree_path .); export PYTHONPATH
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
@@ -127,7 +129,6 @@ fi
 # with BASE=<dir holding another tree's packages/> (carried), that tree's run before each of ours
 if [ "$what" = tiny16 ]; then
   trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
-  tree_path() { local t; t=$(cd "$1" && pwd); echo "/tmp/site:$t/packages/synk-shm/src:$t/packages/synk-comm/src:$t/packages/synk-theano/src:$t/packages/synk-lasagne/src"; }
   for i in 1 2 3; do
     for tree in "${trees[@]}"; do
       echo "== tree $tree, run $i"

@@ -212,8 +212,9 @@ def _numpy_in(cells: list[list[Any]]) -> None:
 class NumpySharedInputs:
     """A function compiled in a mode other than JAX, in a rank whose other functions compute in
     JAX: before each call, every shared input that a JAX-mode function left as a JAX array becomes
-    a numpy array again (Numba cannot read JAX arrays).  Only such values are copied, once: the
-    function's own updates leave numpy arrays.
+    a numpy array again (Numba cannot read JAX arrays).  Only such values are copied: a value is
+    copied each time a JAX-mode function has left a new one there, never again after that (this
+    function's own updates leave numpy arrays).
 
     Parameters
     ----------
