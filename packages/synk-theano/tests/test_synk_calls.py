@@ -86,7 +86,7 @@ def test_avg_is_weighted_by_rows_on_uneven_split(fns, ranks):
             assert not np.allclose(unweighted, xd.mean(0))  # the split is really uneven
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "complex64"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "longdouble", "int32", "complex64"])
 def test_avg_of_scalars_over_many_parts_keeps_the_dtype_and_skips_empty_parts(dtype):
     """The master's combining of 0-d outputs (real scalars take a path of their own): 16 parts,
     uneven rows, two parts without rows; against the float64 weighted mean."""
@@ -99,9 +99,9 @@ def test_avg_of_scalars_over_many_parts_keeps_the_dtype_and_skips_empty_parts(dt
     weights[3] = weights[11] = 0.0
     values[3] = np.asarray(np.nan, dtype="float64")  # a part of weight 0 is never read
     got = combine("avg", values, weights)
-    kept = [(np.asarray(v, dtype=np.complex128), w) for v, w in zip(values, weights) if w > 0]
+    kept = [(np.asarray(v, dtype=np.clongdouble), w) for v, w in zip(values, weights) if w > 0]
     expected = sum(v * w for v, w in kept) / sum(w for _, w in kept)
-    assert got.shape == () and got.dtype == (np.dtype(dtype) if dtype[0] in "fc" else np.float64)
+    assert got.shape == () and got.dtype == (np.dtype(dtype) if np.dtype(dtype).kind in "fc" else np.float64)
     np.testing.assert_allclose(got, expected if dtype.startswith("complex") else expected.real,
                                rtol=1e-6 if dtype in ("float32", "complex64") else 1e-12)
 

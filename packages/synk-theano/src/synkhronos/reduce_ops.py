@@ -113,9 +113,10 @@ def _combine_host(op: str, values: Sequence[Any], weights: Sequence[float], what
     for a in arrays:
         if a.shape != shape:
             common_shape(op, [a.shape for a in arrays], what)  # raises, naming the shapes
-    if op == "avg" and not shape and first.dtype.kind == "f":
+    if op == "avg" and not shape and first.dtype.kind == "f" and first.dtype.itemsize <= 8:
         # real scalars (a loss, an accuracy), the common case: summed in float64 by Python, no numpy
-        # call per part (stacking and a BLAS dot cost more than the sum itself), rounded once
+        # call per part (stacking and a BLAS dot cost more than the sum itself), rounded once;
+        # a long double keeps numpy's path, in its own precision
         total = sum(kept)
         return np.asarray(sum(float(a) * w for a, w in zip(arrays, kept)) / total, dtype=first.dtype)
     stacked = np.array(arrays)
@@ -123,7 +124,7 @@ def _combine_host(op: str, values: Sequence[Any], weights: Sequence[float], what
         dtype = first.dtype if first.dtype.kind in "fc" else np.dtype(np.float64)
         total = sum(kept)
         scale = np.array([w / total for w in kept], dtype=dtype)
-        if not shape:  # complex or integer scalars: one dot product
+        if not shape:  # complex, integer or long double scalars: one dot product
             return np.asarray(stacked @ scale, dtype=dtype)
         return np.asarray((scale @ stacked.reshape(len(kept), -1)).reshape(shape), dtype=dtype)
     return np.asarray(NUMPY_OPS[op].reduce(stacked, axis=0), dtype=first.dtype)
