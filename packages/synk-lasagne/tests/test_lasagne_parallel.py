@@ -123,7 +123,9 @@ def test_apply_momentum_composes_with_a_rule(ranks, data, reference):
         return updates.apply_momentum(updates.rmsprop(loss, params, 0.01, weight=weight), params, momentum=0.5)
 
     train, params = build(rule)
-    assert len(train.state) == 2 * len(params)  # an accumulator and a velocity per parameter
+    # rmsprop's accumulator: one flat vector; apply_momentum's velocities: one per parameter
+    total = sum(p.get_value().size for p in params)
+    assert [v.get_value().shape for v in train.state] == [(total,)] + [p.get_value().shape for p in params]
     train_and_compare(train, params, RmspropWithMomentum(0.01, 0.5), data, reference, ranks,
                       "apply_momentum(rmsprop)")
 
@@ -152,7 +154,9 @@ def test_norm_constraint_on_a_parameter_update(ranks, data, reference):
 def test_adam_keeps_one_step_counter(ranks, data):
     train, params = build(updates.adam)
     counters = [v for v in train.state if v.name == "t"]
-    assert len(counters) == 1 and len(train.state) == 2 * len(params) + 1
+    total = sum(p.get_value().size for p in params)
+    assert len(counters) == 1 and [v.name for v in train.state] == ["m", "v", "t"]  # flat moments
+    assert [v.get_value().shape for v in train.state] == [(total,), (total,), ()]
     _, _, x_data, y_data = data
     for idx in batches()[:3]:
         train(x_data, y_data, batch=idx)

@@ -22,8 +22,8 @@ Rules (Lasagne's names, defaults and maths):
 
 =============================  ==================================================================
 :func:`sgd`                    ``param := param - learning_rate * g``
-:func:`momentum`               :func:`sgd` followed by :func:`apply_momentum`
-:func:`nesterov_momentum`      :func:`sgd` followed by :func:`apply_nesterov_momentum`
+:func:`momentum`               ``velocity := momentum * velocity - learning_rate * g``; ``param += velocity``
+:func:`nesterov_momentum`      the same, ``param += momentum * velocity - learning_rate * g``
 :func:`adagrad`                ``param := param - learning_rate * g / sqrt(sum of g**2 + epsilon)``
 :func:`rmsprop`                the same with a moving average of ``g**2``
 :func:`adadelta`               ``param := param - learning_rate * g * rms(updates) / rms(g)``
@@ -61,6 +61,18 @@ when the ranks have equal rows).  The all-reduce may also run inside one functio
 rows then contributes zeros.  Run as separate functions, a rank with no rows does not run the
 gradient function and keeps its previous ``flat_grad``: make it add nothing by chaining the steps
 with ``synk.chain(..., zeros_if_idle=True)`` or by resetting ``flat_grad`` to zeros after each step.
+
+The rules' state as flat vectors
+--------------------------------
+Each rule computes on ONE vector per quantity: the average gradient ``g = flat_grad[:P] /
+flat_grad[P]`` and its state (velocities, moment estimates, accumulators) are flat shared vectors
+of ``P`` values in the same order as ``flat_grad`` (parameter ``i`` at its offset, raveled), and
+each parameter moves by its part of the rule's step.  A compiled update then has a few long
+element-wise loops and one output per state vector, instead of a loop and an output per parameter
+and state: the update function of an 18-parameter MLP under Adam has 21 outputs instead of 55,
+and took 41-59 us against 119-189 us per call on one core (PyTensor's JAX mode;
+``benchmarks/RESULTS.md``).  :func:`apply_momentum` and :func:`apply_nesterov_momentum`, which add
+momentum to any updates (Lasagne's API), keep a velocity per parameter.
 
 Gradient clipping belongs after the all-reduce (the norm of the global gradient): pass
 ``grad_transform=lambda g: total_norm_constraint(g, 5.0)`` to any rule.
@@ -145,8 +157,9 @@ class RuleUpdates(NamedTuple):
         computes the gradient (a Synkhronos update triple; for a plain PyTensor function use
         ``[u[:2] for u in grad_updates]``).
     param_updates : OrderedDict
-        ``{shared variable: expression}`` for the parameters and the rule's state, computed from
-        the all-reduced ``flat_grad``.
+        ``{shared variable: expression}`` for the parameters, then the rule's state (flat vectors
+        in ``flat_grad``'s order, and Adam's step counter), computed from the all-reduced
+        ``flat_grad``.
     flat_grad : shared variable
         The flat gradient vector (one entry more than the parameters' values: the weight).
     """
@@ -179,6 +192,52 @@ def _zeros_like(param: Any, what: str) -> Any:
     value = param.get_value(borrow=True)
     name = f"{param.name}.{what}" if param.name else what
     return pytensor.shared(np.zeros(np.shape(value), dtype=param.type.dtype), name=name, shape=param.type.shape)
+
+
+class _FlatLayout:
+    """Where each parameter's values sit in the flat vectors: the gradient's and the rules' state.
+
+    Parameter ``i`` holds entries ``offsets[i]:offsets[i] + sizes[i]`` (raveled, C order), in the
+    order of ``params``; ``total`` entries in all, of the parameters' common dtype."""
+
+    def __init__(self, params: Sequence[Any]) -> None:
+        self.params = list(params)
+        self.dtype = _grad_dtype(self.params)
+        self.shapes = [tuple(np.shape(p.get_value(borrow=True))) for p in self.params]
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.offsets = [int(o) for o in np.cumsum([0, *self.sizes[:-1]])]
+        self.total = sum(self.sizes)
+
+    def views(self, vector: Any) -> list[Any]:
+        """``vector``'s part of each parameter, in its shape (and dtype)."""
+        return [_as_type_of(p, vector[a:a + n].reshape(shape))
+                for p, a, n, shape in zip(self.params, self.offsets, self.sizes, self.shapes)]
+
+    def zeros(self, what: str) -> Any:
+        """A new flat shared vector of zeros: one entry of a rule's state per parameter value."""
+        import pytensor
+
+        return pytensor.shared(np.zeros(self.total, dtype=self.dtype), name=what, shape=(self.total,))
+
+    def moved(self, delta: Any) -> OrderedDict[Any, Any]:
+        """``{param: param + delta's view}``: every parameter moved by its part of ``delta``."""
+        return OrderedDict((p, _as_type_of(p, p + view)) for p, view in zip(self.params, self.views(delta)))
+
+
+def _flat_average(loss_or_grads: Any, params: Sequence[Any], weight: Any,
+                  grad_transform: GradTransform | None) -> tuple[list[tuple[Any, Any, str]], Any, Any, _FlatLayout]:
+    """What a rule reads: ``(grad_updates, g, flat_grad, layout)``, ``g`` the all-reduced average
+    gradient as ONE vector (``flat_grad[:P] / flat_grad[P]``, or the transformed gradients
+    raveled and joined), so that the rule's maths runs on a few long vectors."""
+    import pytensor.tensor as pt
+
+    grad_updates, views, flat = flat_gradient(loss_or_grads, params, weight=weight, grad_transform=grad_transform)
+    layout = _FlatLayout(params)
+    if grad_transform is None:
+        g = flat[:layout.total] / flat[layout.total]
+    else:
+        g = pt.concatenate([pt.as_tensor_variable(v).ravel() for v in views])
+    return grad_updates, _as_type_of(flat, g), flat, layout
 
 
 def _as_type_of(var: Any, expr: Any) -> Any:
@@ -267,18 +326,13 @@ def flat_gradient(loss_or_grads: Any, params: Sequence[Any], *, weight: Any = No
     import pytensor
     import pytensor.tensor as pt
 
-    params = _check_params(params)
-    dtype = _grad_dtype(params)
-    shapes = [tuple(np.shape(p.get_value(borrow=True))) for p in params]
-    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-    total = sum(sizes)
-    flat = pytensor.shared(np.zeros(total + 1, dtype=dtype), name="flat_grad")
+    layout = _FlatLayout(_check_params(params))
+    total = layout.total
+    flat = pytensor.shared(np.zeros(total + 1, dtype=layout.dtype), name="flat_grad")
     expr = pt.concatenate(weighted_gradient_parts(loss_or_grads, params, weight=weight))
-    views = []
-    start = 0
-    for param, shape, size in zip(params, shapes, sizes):  # divided view by view: no whole-vector temporary
-        views.append(_as_type_of(param, (flat[start:start + size] / flat[total]).reshape(shape)))
-        start += size
+    views = [(flat[a:a + n] / flat[total]).reshape(shape)  # divided view by view: no whole-vector temporary
+             for a, n, shape in zip(layout.offsets, layout.sizes, layout.shapes)]
+    views = [_as_type_of(param, view) for param, view in zip(layout.params, views)]
     if grad_transform is not None:
         views = list(grad_transform(views))
         if len(views) != len(params):
@@ -357,11 +411,8 @@ def sgd(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, *, weight
     RuleUpdates
         ``(grad_updates, param_updates, flat_grad)``.
     """
-    grad_updates, grads, flat = flat_gradient(loss_or_grads, params, weight=weight, grad_transform=grad_transform)
-    updates: OrderedDict[Any, Any] = OrderedDict()
-    for param, g in zip(params, grads):
-        updates[param] = _as_type_of(param, param - learning_rate * g)
-    return RuleUpdates(grad_updates, updates, flat)
+    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
+    return RuleUpdates(grad_updates, layout.moved(-(learning_rate * g)), flat)
 
 
 def apply_momentum(updates: Any, params: Iterable[Any] | None = None, momentum: Any = 0.9) -> Any:
@@ -403,7 +454,8 @@ def apply_momentum(updates: Any, params: Iterable[Any] | None = None, momentum: 
 
 def momentum(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, momentum: Any = 0.9, *,
              weight: Any = None, grad_transform: GradTransform | None = None) -> RuleUpdates:
-    """Stochastic gradient descent with momentum: :func:`sgd` then :func:`apply_momentum`.
+    """Stochastic gradient descent with momentum: the maths of :func:`sgd` then
+    :func:`apply_momentum`, with ONE flat velocity vector.
 
     ``velocity := momentum * velocity - learning_rate * g``;
     ``param := param + velocity``
@@ -419,8 +471,12 @@ def momentum(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, mome
     -------
     RuleUpdates
     """
-    rule = sgd(loss_or_grads, params, learning_rate, weight=weight, grad_transform=grad_transform)
-    return apply_momentum(rule, params, momentum=momentum)
+    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
+    velocity = layout.zeros("velocity")
+    velocity_t = momentum * velocity - learning_rate * g
+    updates = layout.moved(velocity_t)
+    updates[velocity] = _as_type_of(velocity, velocity_t)
+    return RuleUpdates(grad_updates, updates, flat)
 
 
 def apply_nesterov_momentum(updates: Any, params: Iterable[Any] | None = None, momentum: Any = 0.9) -> Any:
@@ -461,7 +517,8 @@ def apply_nesterov_momentum(updates: Any, params: Iterable[Any] | None = None, m
 
 def nesterov_momentum(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, momentum: Any = 0.9, *,
                       weight: Any = None, grad_transform: GradTransform | None = None) -> RuleUpdates:
-    """SGD with Nesterov momentum: :func:`sgd` then :func:`apply_nesterov_momentum`.
+    """SGD with Nesterov momentum: the maths of :func:`sgd` then :func:`apply_nesterov_momentum`,
+    with ONE flat velocity vector.
 
     ``velocity := momentum * velocity - learning_rate * g``;
     ``param := param + momentum * velocity - learning_rate * g``
@@ -477,8 +534,12 @@ def nesterov_momentum(loss_or_grads: Any, params: Sequence[Any], learning_rate: 
     -------
     RuleUpdates
     """
-    rule = sgd(loss_or_grads, params, learning_rate, weight=weight, grad_transform=grad_transform)
-    return apply_nesterov_momentum(rule, params, momentum=momentum)
+    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
+    velocity = layout.zeros("velocity")
+    velocity_t = momentum * velocity - learning_rate * g
+    updates = layout.moved(momentum * velocity_t - learning_rate * g)
+    updates[velocity] = _as_type_of(velocity, velocity_t)
+    return RuleUpdates(grad_updates, updates, flat)
 
 
 def adagrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0, epsilon: Any = 1e-6, *,
@@ -501,15 +562,13 @@ def adagrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0,
     -------
     RuleUpdates
     """
-    grad_updates, grads, flat = flat_gradient(loss_or_grads, params, weight=weight, grad_transform=grad_transform)
+    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
-    updates: OrderedDict[Any, Any] = OrderedDict()
-    for param, g in zip(params, grads):
-        accu = _zeros_like(param, "accu")
-        accu_new = accu + g ** 2
-        updates[accu] = _as_type_of(accu, accu_new)
-        updates[param] = _as_type_of(param, param - learning_rate * g / pt.sqrt(accu_new + epsilon))
+    accu = layout.zeros("accu")
+    accu_t = accu + g ** 2
+    updates = layout.moved(-(learning_rate * g / pt.sqrt(accu_t + epsilon)))
+    updates[accu] = _as_type_of(accu, accu_t)
     return RuleUpdates(grad_updates, updates, flat)
 
 
@@ -535,15 +594,13 @@ def rmsprop(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0,
     -------
     RuleUpdates
     """
-    grad_updates, grads, flat = flat_gradient(loss_or_grads, params, weight=weight, grad_transform=grad_transform)
+    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
-    updates: OrderedDict[Any, Any] = OrderedDict()
-    for param, g in zip(params, grads):
-        accu = _zeros_like(param, "accu")
-        accu_new = rho * accu + (1 - rho) * g ** 2
-        updates[accu] = _as_type_of(accu, accu_new)
-        updates[param] = _as_type_of(param, param - learning_rate * g / pt.sqrt(accu_new + epsilon))
+    accu = layout.zeros("accu")
+    accu_t = rho * accu + (1 - rho) * g ** 2
+    updates = layout.moved(-(learning_rate * g / pt.sqrt(accu_t + epsilon)))
+    updates[accu] = _as_type_of(accu, accu_t)
     return RuleUpdates(grad_updates, updates, flat)
 
 
@@ -572,18 +629,16 @@ def adadelta(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0
     -------
     RuleUpdates
     """
-    grad_updates, grads, flat = flat_gradient(loss_or_grads, params, weight=weight, grad_transform=grad_transform)
+    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
-    updates: OrderedDict[Any, Any] = OrderedDict()
-    for param, g in zip(params, grads):
-        accu = _zeros_like(param, "accu")
-        delta_accu = _zeros_like(param, "delta_accu")
-        accu_new = rho * accu + (1 - rho) * g ** 2
-        update = g * pt.sqrt(delta_accu + epsilon) / pt.sqrt(accu_new + epsilon)
-        updates[accu] = _as_type_of(accu, accu_new)
-        updates[param] = _as_type_of(param, param - learning_rate * update)
-        updates[delta_accu] = _as_type_of(delta_accu, rho * delta_accu + (1 - rho) * update ** 2)
+    accu = layout.zeros("accu")
+    delta_accu = layout.zeros("delta_accu")
+    accu_t = rho * accu + (1 - rho) * g ** 2
+    update = g * pt.sqrt(delta_accu + epsilon) / pt.sqrt(accu_t + epsilon)
+    updates = layout.moved(-(learning_rate * update))
+    updates[accu] = _as_type_of(accu, accu_t)
+    updates[delta_accu] = _as_type_of(delta_accu, rho * delta_accu + (1 - rho) * update ** 2)
     return RuleUpdates(grad_updates, updates, flat)
 
 
@@ -613,28 +668,26 @@ def adam(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.001, 
     Returns
     -------
     RuleUpdates
-        Its ``param_updates`` hold ``m`` and ``v`` per parameter and one counter ``t``.
+        Its ``param_updates`` hold the parameters, ``m`` and ``v`` (flat vectors, one entry per
+        parameter value) and one counter ``t``.
 
     Notes
     -----
     Synkhronos 1.0's adaptation added the counter's update once per parameter, which PyTensor
     refuses for more than one parameter; here it is one update.
     """
-    grad_updates, grads, flat = flat_gradient(loss_or_grads, params, weight=weight, grad_transform=grad_transform)
+    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
-    t_prev = _counter(_grad_dtype(params))
+    t_prev = _counter(layout.dtype)
     t = t_prev + 1
     a_t = learning_rate * pt.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
-    updates: OrderedDict[Any, Any] = OrderedDict()
-    for param, g in zip(params, grads):
-        m_prev = _zeros_like(param, "m")
-        v_prev = _zeros_like(param, "v")
-        m_t = beta1 * m_prev + (1 - beta1) * g
-        v_t = beta2 * v_prev + (1 - beta2) * g ** 2
-        updates[m_prev] = _as_type_of(m_prev, m_t)
-        updates[v_prev] = _as_type_of(v_prev, v_t)
-        updates[param] = _as_type_of(param, param - a_t * m_t / (pt.sqrt(v_t) + epsilon))
+    m_prev, v_prev = layout.zeros("m"), layout.zeros("v")
+    m_t = beta1 * m_prev + (1 - beta1) * g
+    v_t = beta2 * v_prev + (1 - beta2) * g ** 2
+    updates = layout.moved(-(a_t * m_t / (pt.sqrt(v_t) + epsilon)))
+    updates[m_prev] = _as_type_of(m_prev, m_t)
+    updates[v_prev] = _as_type_of(v_prev, v_t)
     updates[t_prev] = _as_type_of(t_prev, t)
     return RuleUpdates(grad_updates, updates, flat)
 
@@ -666,21 +719,18 @@ def adamax(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.002
     -------
     RuleUpdates
     """
-    grad_updates, grads, flat = flat_gradient(loss_or_grads, params, weight=weight, grad_transform=grad_transform)
+    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
-    t_prev = _counter(_grad_dtype(params))
+    t_prev = _counter(layout.dtype)
     t = t_prev + 1
     a_t = learning_rate / (1 - beta1 ** t)
-    updates: OrderedDict[Any, Any] = OrderedDict()
-    for param, g in zip(params, grads):
-        m_prev = _zeros_like(param, "m")
-        u_prev = _zeros_like(param, "u")
-        m_t = beta1 * m_prev + (1 - beta1) * g
-        u_t = pt.maximum(beta2 * u_prev, abs(g))
-        updates[m_prev] = _as_type_of(m_prev, m_t)
-        updates[u_prev] = _as_type_of(u_prev, u_t)
-        updates[param] = _as_type_of(param, param - a_t * m_t / (u_t + epsilon))
+    m_prev, u_prev = layout.zeros("m"), layout.zeros("u")
+    m_t = beta1 * m_prev + (1 - beta1) * g
+    u_t = pt.maximum(beta2 * u_prev, abs(g))
+    updates = layout.moved(-(a_t * m_t / (u_t + epsilon)))
+    updates[m_prev] = _as_type_of(m_prev, m_t)
+    updates[u_prev] = _as_type_of(u_prev, u_t)
     updates[t_prev] = _as_type_of(t_prev, t)
     return RuleUpdates(grad_updates, updates, flat)
 
@@ -711,24 +761,20 @@ def amsgrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.00
     -------
     RuleUpdates
     """
-    grad_updates, grads, flat = flat_gradient(loss_or_grads, params, weight=weight, grad_transform=grad_transform)
+    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
-    t_prev = _counter(_grad_dtype(params))
+    t_prev = _counter(layout.dtype)
     t = t_prev + 1
     a_t = learning_rate * pt.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
-    updates: OrderedDict[Any, Any] = OrderedDict()
-    for param, g in zip(params, grads):
-        m_prev = _zeros_like(param, "m")
-        v_prev = _zeros_like(param, "v")
-        v_hat_prev = _zeros_like(param, "v_hat")
-        m_t = beta1 * m_prev + (1 - beta1) * g
-        v_t = beta2 * v_prev + (1 - beta2) * g ** 2
-        v_hat_t = pt.maximum(v_hat_prev, v_t)
-        updates[m_prev] = _as_type_of(m_prev, m_t)
-        updates[v_prev] = _as_type_of(v_prev, v_t)
-        updates[v_hat_prev] = _as_type_of(v_hat_prev, v_hat_t)
-        updates[param] = _as_type_of(param, param - a_t * m_t / (pt.sqrt(v_hat_t) + epsilon))
+    m_prev, v_prev, v_hat_prev = layout.zeros("m"), layout.zeros("v"), layout.zeros("v_hat")
+    m_t = beta1 * m_prev + (1 - beta1) * g
+    v_t = beta2 * v_prev + (1 - beta2) * g ** 2
+    v_hat_t = pt.maximum(v_hat_prev, v_t)
+    updates = layout.moved(-(a_t * m_t / (pt.sqrt(v_hat_t) + epsilon)))
+    updates[m_prev] = _as_type_of(m_prev, m_t)
+    updates[v_prev] = _as_type_of(v_prev, v_t)
+    updates[v_hat_prev] = _as_type_of(v_hat_prev, v_hat_t)
     updates[t_prev] = _as_type_of(t_prev, t)
     return RuleUpdates(grad_updates, updates, flat)
 
