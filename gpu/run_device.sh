@@ -97,7 +97,8 @@ fi
 # cores, not one core's two hyperthreads): the tiny call at 2 ranks (twice; TINY=0 skips it) and the
 # main job (data-parallel against one process on both cores), RUNS rounds (default 3) of its
 # VARIANTS alternating: ';'-separated sets of flags (default: the defaults, then --keep-last-batch),
-# e.g. VARIANTS='--layers 8;--layers 12' (a leading ';': the defaults first)
+# e.g. VARIANTS='--layers 8;--layers 12' (a leading ';': the defaults first); with BASE=<dir holding
+# another tree's packages/ and examples/> (carried), that tree's main job before each of ours
 if [ "$what" = cpu2 ]; then
   two=$(python3 -c "
 from synk_comm.cores import available, physical_core
@@ -113,15 +114,19 @@ print(','.join(map(str, list(first.values())[:2])))")
     done
   fi
   IFS=';' read -ra variants <<< "${VARIANTS:-;--keep-last-batch}"
+  trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
   for i in $(seq "${RUNS:-3}"); do
     for v in "${!variants[@]}"; do
-      flags=${variants[$v]}
-      log="$OUT/mnist_2cores_${i}_$v.log"
-      echo "run $i ${flags:-(defaults)}"
-      # shellcheck disable=SC2086  # a variant's flags split on spaces
-      CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 150 python3 examples/mnist/train_mnist.py --cpu \
-        --no-progress $flags --plot "${log%.log}.png" > "$log" 2>&1 || status=1
-      grep -E "^(data-parallel|single process):|speedup|final test|total time" "$log"
+      for t in "${!trees[@]}"; do
+        flags=${variants[$v]}
+        log="$OUT/mnist_2cores_${i}_${v}_$t.log"
+        echo "run $i ${flags:-(defaults)}, tree ${trees[$t]}"
+        # shellcheck disable=SC2086  # a variant's flags split on spaces
+        PYTHONPATH=$(tree_path "${trees[$t]}") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 150 \
+          python3 "${trees[$t]}/examples/mnist/train_mnist.py" --cpu --no-progress $flags --plot "${log%.log}.png" \
+          > "$log" 2>&1 || status=1
+        grep -E "^(data-parallel|single process):|speedup|final test|total time" "$log"
+      done
     done
   done
 fi

@@ -220,7 +220,7 @@ def run(args: argparse.Namespace, data: mnist.Dataset, n_parallel: int | None, l
         synk.close()
     epoch_seconds = statistics.median(h["seconds"] for h in history)
     print(f"{label}: test accuracy {result['accuracy']:.2%}, test loss {result['loss']:.4f}; median epoch "
-          f"{epoch_seconds:.3f} s ({statistics.median(h['samples_per_s'] for h in history):.0f} samples/s); "
+          f"{duration(epoch_seconds)} ({statistics.median(h['samples_per_s'] for h in history):.0f} samples/s); "
           f"whole run {time.perf_counter() - t_start:.1f} s", flush=True)
     return {"label": label, "ranks": n, "kind": kind, "history": history, "test": result,
             "epoch_seconds": epoch_seconds, "cores": len(os.sched_getaffinity(0))}
@@ -276,6 +276,11 @@ def drops_last_batch(args: argparse.Namespace, rows: int) -> bool:
     return not args.keep_last_batch and rows >= args.batch_size
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` to read at a glance: ``"2.314 ms"`` under a second, else ``"1.234 s"``."""
+    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
 def describe_epoch(trainer: Trainer, train: tuple[Any, ...]) -> str:
     """An epoch's steps and training rows (:meth:`Trainer.epoch_size`), e.g. ``1 step (1024 of
     1258 rows; ...)``."""
@@ -323,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         speedup = runs[1]["epoch_seconds"] / main_run["epoch_seconds"]
         cores = runs[1]["cores"]  # what the single process could run on (its own affinity)
         print(f"speedup of {main_run['ranks']} {main_run['kind']} over one process on all {cores} cores (same "
-              f"backend, model and steps): {speedup:.2f}x (median training epoch {runs[1]['epoch_seconds']:.3f} s "
-              f"-> {main_run['epoch_seconds']:.3f} s)")
+              f"backend, model and steps): {speedup:.2f}x (median training epoch {duration(runs[1]['epoch_seconds'])} "
+              f"-> {duration(main_run['epoch_seconds'])})")
         if speedup < 1.2:
             print("note: each step of this model is too little work for several ranks to pay off (every "
                   "step is a round trip between the ranks): a larger model (--hidden) or batch (--batch-size) "
