@@ -2,10 +2,11 @@
 
 On every GPU when the machine has any (one rank per GPU, PyTensor's JAX backend), else on CPU
 worker processes (Synkhronos's CPU mode: its default number of ranks, each on cores of its own,
-compiled with JAX when it is installed -- ``pip install "synk-theano[cpu]"``).  Then the same
-epochs in one process of the same backend on every core (a fresh interpreter, so that its thread
-pools take the whole machine), to measure the speedup, and a PNG plot of loss and throughput per
-epoch.
+compiled with JAX when it is installed -- ``pip install "synk-theano[cpu]"``).  Beside it, to
+measure the speedup, the same epochs in one process of the same backend on every core (a fresh
+interpreter, so that its thread pools take the whole machine): the two take turns, a block of
+``TURN_EPOCHS`` epochs each, so that both meet the machine in the same state (a busy neighbour or
+a slower clock slows both alike).  Then a PNG plot of loss and throughput per epoch.
 
 Data: the MNIST IDX files from ``--data-dir`` or ``$SYNK_MNIST_DIR`` (gzipped or not); without
 them, the 8x8 handwritten digits bundled with scikit-learn (``pip install synk-lasagne[mnist]``).
@@ -51,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -62,6 +64,8 @@ import synkhronos as synk
 from synk_lasagne import Trainer, layers, make_eval_function, make_train_function, mnist, updates
 from synk_lasagne.random import set_rng
 
+TURN_EPOCHS = 20
+"""Epochs of each turn of the data-parallel and the single-process runs."""
 RULES = ["sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta", "adam", "adamax", "amsgrad"]
 
 
@@ -105,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mode", default=None,
                         help="PyTensor mode (default: Synkhronos's choice: JAX on GPUs, and on CPUs when JAX is "
                              "installed, else PyTensor's default)")
-    parser.add_argument("--baseline-json", default=None, help=argparse.SUPPRESS)  # the single-process child
+    parser.add_argument("--baseline-json", default=None, help=argparse.SUPPRESS)  # the single-process child:
+    parser.add_argument("--turns", default=None, help=argparse.SUPPRESS)  # its result file and its turns' pipes
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars (they show only on a terminal anyway)")
     args = parser.parse_args(argv)
@@ -161,8 +166,10 @@ def accuracy(logits: Any, y: Any) -> Any:
     return pt.mean(pt.eq(pt.argmax(logits, axis=1), y))
 
 
-def train_and_test(args: argparse.Namespace, data: mnist.Dataset) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Build the model and its functions in the forked group, train, test: (history, test metrics)."""
+def train_and_test(args: argparse.Namespace, data: mnist.Dataset, label: str,
+                   turns: Iterable[int]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Build the model and its functions in the forked group, train (``turns``: the epochs of each
+    turn), test: (history, test metrics)."""
     t0 = time.perf_counter()
     fkw = {"mode": args.mode} if args.mode else {}
     floatx = pytensor.config.floatX
@@ -195,33 +202,38 @@ def train_and_test(args: argparse.Namespace, data: mnist.Dataset) -> tuple[list[
     valid = (synk.data(images["valid"]), synk.data(data.y_valid))
     test = (synk.data(images["test"]), synk.data(data.y_test))
     synk.distribute()  # every rank compiles its functions now (if the scatter did not), outside the timed epochs
-    print(f"functions built, distributed and compiled in every rank in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"{label}: functions built, distributed and compiled in every rank in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    main_run = not args.baseline_json  # the single-process child trains quietly
     trainer = Trainer(train, eval_fn=evaluate, batch_size=args.batch_size, seed=args.seed,
                       eval_slices=args.eval_slices, drop_last=drops_last_batch(args, len(data.x_train)),
-                      progress=False if args.no_progress else None)
-    print(f"{args.epochs} epochs of {describe_epoch(trainer, train_data)}", flush=True)
-    history = trainer.fit(train_data, epochs=args.epochs, valid=valid)
-    return history, evaluate(*test, num_slices=args.eval_slices)
+                      progress=False if args.no_progress or not main_run else None, verbose=main_run)
+    if main_run:
+        print(f"{args.epochs} epochs of {describe_epoch(trainer, train_data)}", flush=True)
+    for epochs in turns:
+        trainer.fit(train_data, epochs=epochs, valid=valid, restore_best=False)  # the next turn trains on
+    trainer.restore_best_epoch()  # tested: the epoch of the best validation loss
+    return trainer.history, evaluate(*test, num_slices=args.eval_slices)
 
 
-def run(args: argparse.Namespace, data: mnist.Dataset, n_parallel: int | None, label: str) -> dict[str, Any]:
+def run(args: argparse.Namespace, data: mnist.Dataset, n_parallel: int | None, label: str,
+        turns: Iterable[int]) -> dict[str, Any]:
     """Fork, train and test, close: one complete run with ``n_parallel`` ranks."""
     from synkhronos.runtime import current
 
-    t_start = time.perf_counter()
     n = synk.fork(n_parallel, use_gpu=False if args.cpu else None)
     rt = current()
     assert rt is not None
     kind = "GPUs" if rt.device.use_gpu else f"CPU processes (backend {getattr(rt.device, 'backend', '?')})"
     print(f"\n== {label}: {n} rank(s), {kind}, pattern {args.pattern!r} ==", flush=True)
     try:
-        history, result = train_and_test(args, data)
+        history, result = train_and_test(args, data, label, turns)
     finally:
         synk.close()
     epoch_seconds = statistics.median(h["seconds"] for h in history)
     print(f"{label}: test accuracy {result['accuracy']:.2%}, test loss {result['loss']:.4f}; median epoch "
-          f"{duration(epoch_seconds)} ({statistics.median(h['samples_per_s'] for h in history):.0f} samples/s); "
-          f"whole run {time.perf_counter() - t_start:.1f} s", flush=True)
+          f"{duration(epoch_seconds)} ({statistics.median(h['samples_per_s'] for h in history):.0f} samples/s)",
+          flush=True)
     return {"label": label, "ranks": n, "kind": kind, "history": history, "test": result,
             "epoch_seconds": epoch_seconds, "cores": len(os.sched_getaffinity(0))}
 
@@ -291,15 +303,95 @@ def describe_epoch(trainer: Trainer, train: tuple[Any, ...]) -> str:
     return text + ")"
 
 
-def baseline_in_fresh_interpreter(argv: list[str]) -> dict[str, Any]:
-    """The single-process run, in a child interpreter: its thread pools (XLA's is sized when JAX
-    starts) take every core, as in a plain script; this process's were sized to the master's
-    cores by fork.  Its output goes to the terminal; its results come back through a file."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "baseline.json")
-        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--baseline-json", path], check=True)
-        with open(path) as f:
+class SingleProcessRun:
+    """The single-process run, in a child interpreter started before this process forks: its
+    thread pools (XLA's is sized when JAX starts) take every core, as in a plain script; this
+    process's are sized to the master's cores by fork.  It trains when this process tells it to
+    (:meth:`train`), so that the two runs take turns; its output goes to the terminal, its results
+    come back through a file (:meth:`finish`).  Use it as a context manager: leaving early ends
+    the child too (it tests and exits as after its last turn)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self._json = os.path.join(self._tmp.name, "baseline.json")
+        go_read, self._go = os.pipe()
+        reply_read, reply_write = os.pipe()
+        self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--baseline-json",
+                                       self._json, "--turns", f"{go_read},{reply_write}"],
+                                      pass_fds=(go_read, reply_write))
+        os.close(go_read)
+        os.close(reply_write)
+        self._replies = os.fdopen(reply_read)
+
+    def _expect(self, word: str) -> None:
+        if self._replies.readline().strip() != word:
+            self._ended_early()
+
+    def _ended_early(self) -> None:
+        raise RuntimeError(f"the single-process run ended early (exit status {self._proc.wait()}); its output "
+                           "is above")
+
+    def train(self, epochs: int) -> None:
+        """Its next ``epochs`` epochs; returns when it has trained them."""
+        try:
+            os.write(self._go, f"{epochs}\n".encode())
+        except BrokenPipeError:
+            self._ended_early()
+        self._expect("done")
+
+    def turns(self, epochs: int) -> Iterator[int]:
+        """The data-parallel run's turns (see :func:`turn_blocks`); after each, the child's same turn."""
+        self._expect("ready")  # compiled: this run's timed epochs do not share the cores with its compiler
+        for block in turn_blocks(epochs):
+            yield block
+            self.train(block)
+
+    def finish(self) -> dict[str, Any]:
+        """Its test results and history, once it has tested and exited."""
+        self.close()
+        if self._proc.returncode:
+            raise RuntimeError(f"the single-process run failed (exit status {self._proc.returncode}); its output "
+                               "is above")
+        with open(self._json) as f:
             return dict(json.load(f))
+
+    def close(self) -> None:
+        if self._go >= 0:
+            os.close(self._go)  # its last turn: it tests, writes its results and exits
+            self._go = -1
+        try:
+            self._proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._replies.close()
+
+    def __enter__(self) -> SingleProcessRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        self._tmp.cleanup()
+
+
+def turn_blocks(epochs: int) -> list[int]:
+    """``epochs`` in turns of :data:`TURN_EPOCHS` (the last one shorter)."""
+    return [min(TURN_EPOCHS, epochs - start) for start in range(0, epochs, TURN_EPOCHS)]
+
+
+def turns_from_parent(pipes: str) -> Iterator[int]:
+    """The child's turns, as its parent's :class:`SingleProcessRun` sends them (``pipes``: the file
+    descriptors ``"read,write"``), until the parent says 0 or closes the pipe."""
+    go, reply = (int(fd) for fd in pipes.split(","))
+    os.write(reply, b"ready\n")
+    with os.fdopen(go) as commands:
+        for line in commands:
+            epochs = int(line)
+            if epochs <= 0:
+                break
+            yield epochs
+            os.write(reply, b"done\n")
+    os.close(reply)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,9 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     pytensor.config.floatX = "float32"  # set before fork: the workers take the master's configuration
     t0 = time.perf_counter()
-    data = mnist.load(args.data_dir).astype(pytensor.config.floatX)
-    if args.baseline_json:  # the child of baseline_in_fresh_interpreter
-        single = run(args, data, 1, "single process")
+    data = mnist.load(args.data_dir, quiet=bool(args.baseline_json)).astype(pytensor.config.floatX)  # the note once: the parent's
+    if args.baseline_json:  # the child of SingleProcessRun
+        single = run(args, data, 1, "single process", turns_from_parent(args.turns))
         with open(args.baseline_json, "w") as f:
             json.dump(single, f, default=float)  # numpy scalars as floats
         return 0
@@ -317,9 +409,12 @@ def main(argv: list[str] | None = None) -> int:
           f"test images of {data.image_shape[0]}x{data.image_shape[1]}")
     print(f"model: {describe_model(args, data)}, {args.rule} (learning rate {args.learning_rate}), batch "
           f"{args.batch_size}")
-    runs = [run(args, data, args.n_parallel, "data-parallel")]
-    if not args.no_baseline:
-        runs.append(baseline_in_fresh_interpreter(argv))
+    if args.no_baseline:
+        runs = [run(args, data, args.n_parallel, "data-parallel", turn_blocks(args.epochs))]
+    else:
+        with SingleProcessRun(argv) as baseline:  # started before fork: every core is still ours
+            runs = [run(args, data, args.n_parallel, "data-parallel", baseline.turns(args.epochs))]
+            runs.append(baseline.finish())
     main_run = runs[0]
     acc = main_run["test"]["accuracy"]
     print(f"\nfinal test accuracy ({main_run['ranks']} ranks): {acc:.2%}")

@@ -221,6 +221,33 @@ def test_early_stopping_restores_the_best_epoch(ranks, data, tmp_path):
     np.testing.assert_allclose(evaluate(x_data, y_data)["loss"], history[0]["valid_loss"], rtol=1e-12)
 
 
+def test_fit_in_several_calls_trains_on_and_restores_the_best_epoch_at_the_end(ranks, data):
+    """Two calls of fit with restore_best=False, then restore_best_epoch: the same epochs, records
+    and restored values as one call (epoch 1 made the best, as above)."""
+    _, _, x_data, y_data = data
+    runs = []
+    for calls in ([4], [2, 2]):
+        xs, ys, params, loss, _ = model()
+        train = make_train_function(loss, params, [xs, ys], updates.adam, learning_rate=0.05, function_kwargs=FAST)
+        evaluate = make_eval_function({"loss": loss}, [xs, ys], function_kwargs=FAST)
+        trainer = quiet(train, eval_fn=evaluate, batch_size=9, seed=3, monitor="valid_loss", mode="max")
+        if calls == [4]:
+            trainer.fit((x_data, y_data), epochs=4, valid=(x_data, y_data))
+        else:
+            for epochs in calls:
+                trainer.fit((x_data, y_data), epochs=epochs, valid=(x_data, y_data), restore_best=False)
+            last = synk.gather(train.variables, nd_up=1)
+            assert trainer.restore_best_epoch()  # epoch 1's values, not epoch 4's
+            assert any(not np.array_equal(a, b) for a, b in zip(last, synk.gather(train.variables, nd_up=1)))
+        runs.append((trainer, train))
+    (one, one_fn), (two, two_fn) = runs
+    assert [h["epoch"] for h in two.history] == [1, 2, 3, 4] and one.best_epoch == two.best_epoch == 1
+    for key in ("train_loss", "valid_loss"):
+        np.testing.assert_allclose([h[key] for h in two.history], [h[key] for h in one.history], rtol=RTOL)
+    assert_every_rank(two_fn.variables, [np.asarray(v.get_value()) for v in one_fn.variables], ranks,
+                      "restored after two calls")
+
+
 def test_patience_needs_the_monitored_metric(ranks, data):
     _, _, x_data, y_data = data
     xs, ys, params, loss, _ = model()

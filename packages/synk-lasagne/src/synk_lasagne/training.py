@@ -674,9 +674,12 @@ class Trainer:
         return dict(self.eval_fn(*data, num_slices=num_slices or self.eval_slices))
 
     # -- the loop -------------------------------------------------------------------------------
-    def fit(self, train: Sequence[Any] = (), epochs: int = 1,
-            valid: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    def fit(self, train: Sequence[Any] = (), epochs: int = 1, valid: Sequence[Any] | None = None, *,
+            restore_best: bool | None = None) -> list[dict[str, Any]]:
         """Train for ``epochs`` epochs (fewer if early stopping triggers).
+
+        A later call goes on from where this one ended (epochs count on, the best epoch so far is
+        remembered).
 
         Parameters
         ----------
@@ -686,6 +689,10 @@ class Trainer:
         valid : tuple of synkhronos.Data, optional
             The eval function's inputs (empty for an eval function over sliceable shareds);
             None: no validation.
+        restore_best : bool, optional
+            Whether this call ends with :meth:`restore_best_epoch`; default the Trainer's
+            ``restore_best``.  False keeps the last epoch's parameters, e.g. to train on with
+            another call: training in several calls then ends with :meth:`restore_best_epoch`.
 
         Returns
         -------
@@ -747,9 +754,18 @@ class Trainer:
                         tqdm.write(f"early stop after epoch {epoch}: no better {self.monitor} than "
                                    f"{self.best:.6g} (epoch {self.best_epoch}) for {since_best} epoch(s)")
                     break
-        if self.restore_best and self._best_values is not None and self.best_epoch != self.history[-1]["epoch"]:
-            self._restore(self._best_values)
+        if self.restore_best if restore_best is None else restore_best:
+            self.restore_best_epoch()
         return records
+
+    def restore_best_epoch(self) -> bool:
+        """Put back the parameters and optimizer state of the best epoch so far in every rank (what
+        :meth:`fit` ends with); True if they changed.  The Trainer keeps them only when its
+        ``restore_best`` is True."""
+        if self._best_values is None or not self.history or self.best_epoch == self.history[-1]["epoch"]:
+            return False
+        self._restore(self._best_values)
+        return True
 
     def _after_epoch(self, record: dict[str, Any]) -> bool:
         """Track the best epoch; save / remember it.  True when this epoch is the best so far."""
