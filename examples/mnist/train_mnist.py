@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     pytensor.config.floatX = "float32"  # set before fork: the workers take the master's configuration
     t0 = time.perf_counter()
-    data = mnist.load(args.data_dir, quiet=bool(args.baseline_json)).astype(pytensor.config.floatX)  # the note once: the parent's
+    quiet = bool(args.baseline_json)  # the digits' note once: the parent's
+    data = mnist.load(args.data_dir, quiet=quiet).astype(pytensor.config.floatX)
     if args.baseline_json:  # the child of SingleProcessRun
         single = run(args, data, 1, "single process", turns_from_parent(args.turns))
         with open(args.baseline_json, "w") as f:
