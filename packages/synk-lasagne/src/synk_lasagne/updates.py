@@ -70,7 +70,7 @@ of ``P`` values in the same order as ``flat_grad`` (parameter ``i`` at its offse
 each parameter moves by its part of the rule's step.  A compiled update then has a few long
 element-wise loops and one output per state vector, instead of a loop and an output per parameter
 and state: the update function of an 18-parameter MLP under Adam has 21 outputs instead of 55,
-and took 41-59 us against 119-189 us per call on one core (PyTensor's JAX mode;
+and took 38-55 us against 98-187 us per call on one core (PyTensor's JAX mode;
 ``benchmarks/RESULTS.md``).  :func:`apply_momentum` and :func:`apply_nesterov_momentum`, which add
 momentum to any updates (Lasagne's API), keep a velocity per parameter.
 
