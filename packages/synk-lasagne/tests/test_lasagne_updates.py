@@ -59,17 +59,21 @@ def test_docstring_examples(module):
     assert result.failed == 0
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
 @pytest.mark.parametrize("name", RULES)
-def test_rule_in_one_process_matches_numpy(name):
-    """Size 1: the rule's two functions as plain PyTensor functions, three steps."""
+def test_rule_in_one_process_matches_numpy(name, clip):
+    """Size 1: the rule's two functions as plain PyTensor functions, three steps; clipped: with a
+    grad_transform (total_norm_constraint), whose per-parameter gradients the rule joins again."""
     x, y = pt.matrix("x"), pt.ivector("y")
     params = shared_params(initial_params())
     hyper = {"learning_rate": 0.05} if name not in ("adadelta", "adamax") else {}
-    rule = getattr(updates, name)(loss_graph(x, y, params), params, weight=x.shape[0], **hyper)
+    transform = {"grad_transform": lambda g: updates.total_norm_constraint(g, 0.05)} if clip else {}
+    rule = getattr(updates, name)(loss_graph(x, y, params), params, weight=x.shape[0], **hyper, **transform)
     assert isinstance(rule, RuleUpdates)
     f_grad = pytensor.function([x, y], [], updates=[u[:2] for u in rule.grad_updates], **FAST)
     f_step = pytensor.function([], [], updates=rule.param_updates, **FAST)
-    reference, ref_rule, ref = Reference(), NumpyRule(name, **hyper), initial_params()
+    ref_hyper = {**hyper, "max_norm": 0.05} if clip else hyper
+    reference, ref_rule, ref = Reference(), NumpyRule(name, **ref_hyper), initial_params()
     xv, yv = make_data(30)
     for rows in (slice(0, 10), slice(10, 13), slice(13, 30)):
         f_grad(xv[rows], yv[rows])
@@ -77,6 +81,25 @@ def test_rule_in_one_process_matches_numpy(name):
         ref = ref_rule.step(ref, reference(xv[rows], yv[rows], ref)[1])
         for p, e in zip(params, ref):
             np.testing.assert_allclose(p.get_value(), e, rtol=1e-10, atol=1e-13, err_msg=f"{name}: {p.name}")
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_rule_state_is_flat_vectors_after_the_parameters(name):
+    """param_updates: the parameters in their order, then the rule's state, each a vector of
+    every parameter value (flat_grad's order), and Adam's counter."""
+    x, y = pt.matrix("x"), pt.ivector("y")
+    params = shared_params(initial_params())
+    rule = getattr(updates, name)(loss_graph(x, y, params), params, learning_rate=0.1)
+    keys = list(rule.param_updates)
+    assert keys[:len(params)] == params
+    total = rule.flat_grad.get_value().size - 1
+    state = keys[len(params):]
+    for v in state:
+        assert v.get_value().shape == (() if v.name == "t" else (total,)), v.name
+    expected = {"sgd": [], "momentum": ["velocity"], "nesterov_momentum": ["velocity"], "adagrad": ["accu"],
+                "rmsprop": ["accu"], "adadelta": ["accu", "delta_accu"], "adam": ["m", "v", "t"],
+                "adamax": ["m", "u", "t"], "amsgrad": ["m", "v", "v_hat", "t"]}[name]
+    assert [v.name for v in state] == expected
 
 
 def test_flat_gradient_layout():
