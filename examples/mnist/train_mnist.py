@@ -383,15 +383,17 @@ def turns_from_parent(pipes: str) -> Iterator[int]:
     """The child's turns, as its parent's :class:`SingleProcessRun` sends them (``pipes``: the file
     descriptors ``"read,write"``), until the parent says 0 or closes the pipe."""
     go, reply = (int(fd) for fd in pipes.split(","))
-    os.write(reply, b"ready\n")
-    with os.fdopen(go) as commands:
-        for line in commands:
-            epochs = int(line)
-            if epochs <= 0:
-                break
-            yield epochs
-            os.write(reply, b"done\n")
-    os.close(reply)
+    with os.fdopen(go) as commands, os.fdopen(reply, "w", buffering=1) as replies:
+        try:
+            replies.write("ready\n")
+            for line in commands:
+                epochs = int(line)
+                if epochs <= 0:
+                    break
+                yield epochs
+                replies.write("done\n")
+        except BrokenPipeError:  # the parent is gone: test and exit as after the last turn
+            return
 
 
 def main(argv: list[str] | None = None) -> int:
