@@ -231,8 +231,7 @@ def _flat_average(loss_or_grads: Any, params: Sequence[Any], weight: Any,
     raveled and joined), so that the rule's maths runs on a few long vectors."""
     import pytensor.tensor as pt
 
-    grad_updates, views, flat = flat_gradient(loss_or_grads, params, weight=weight, grad_transform=grad_transform)
-    layout = _FlatLayout(params)
+    grad_updates, views, flat, layout = _flat_gradient(loss_or_grads, params, weight, grad_transform)
     if grad_transform is None:
         g = flat[:layout.total] / flat[layout.total]
     else:
@@ -323,6 +322,13 @@ def flat_gradient(loss_or_grads: Any, params: Sequence[Any], *, weight: Any = No
     flat_grad : shared variable
         A vector of ``P + 1`` values (``P`` = total size of the parameters).
     """
+    grad_updates, views, flat, _ = _flat_gradient(loss_or_grads, params, weight, grad_transform)
+    return grad_updates, views, flat
+
+
+def _flat_gradient(loss_or_grads: Any, params: Sequence[Any], weight: Any, grad_transform: GradTransform | None
+                   ) -> tuple[list[tuple[Any, Any, str]], list[Any], Any, _FlatLayout]:
+    """:func:`flat_gradient`, and the layout it built (which the flat rules read again)."""
     import pytensor
     import pytensor.tensor as pt
 
@@ -330,14 +336,14 @@ def flat_gradient(loss_or_grads: Any, params: Sequence[Any], *, weight: Any = No
     total = layout.total
     flat = pytensor.shared(np.zeros(total + 1, dtype=layout.dtype), name="flat_grad")
     expr = pt.concatenate(weighted_gradient_parts(loss_or_grads, params, weight=weight))
-    views = [(flat[a:a + n] / flat[total]).reshape(shape)  # divided view by view: no whole-vector temporary
-             for a, n, shape in zip(layout.offsets, layout.sizes, layout.shapes)]
-    views = [_as_type_of(param, view) for param, view in zip(layout.params, views)]
+    # divided view by view: no whole-vector temporary
+    views = [_as_type_of(param, (flat[a:a + n] / flat[total]).reshape(shape))
+             for param, a, n, shape in zip(layout.params, layout.offsets, layout.sizes, layout.shapes)]
     if grad_transform is not None:
         views = list(grad_transform(views))
         if len(views) != len(params):
             raise ValueError(f"grad_transform returned {len(views)} gradients for {len(params)} parameters")
-    return [(flat, expr, "sum")], views, flat
+    return [(flat, expr, "sum")], views, flat, layout
 
 
 def weighted_gradient_parts(loss_or_grads: Any, params: Sequence[Any], *, weight: Any = None) -> list[Any]:
