@@ -79,9 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # threads, so that ranks on cores of their own beat one process on all of them (measured on 2
     # quiet cores, the runs taking turns: a median of 1.35x, docs/guides/cpu.rst; wide layers are
     # split over threads well by XLA, and data parallelism then only matches one process), >= 95%
-    # test accuracy on the digits.  Each epoch's last, smaller batch is dropped, as in Lasagne's MNIST example: on the
-    # digits (1258 rows) it would be a second step of 234 rows, a whole round trip between the ranks
-    # for little work.
+    # test accuracy on the digits.  Each epoch's last, smaller batch is dropped, as in Lasagne's
+    # MNIST example: on the digits (1258 rows) it would be a second step of 234 rows, a whole round
+    # trip between the ranks for little work.
     parser.add_argument("--epochs", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=1024, help="rows per step over all ranks")
     parser.add_argument("--n-parallel", type=int, default=None,
