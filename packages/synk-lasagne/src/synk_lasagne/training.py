@@ -132,7 +132,7 @@ class TrainFunction:
             import synkhronos as synk
 
             grad_fn, step_fn = self._build_sliced()
-            chain = synk.chain(grad_fn, all_reduce=self.rule.flat_grad, op="avg", then=step_fn, zeros_if_idle=True)
+            chain = synk.chain(grad_fn, all_reduce=self.rule.flat_grad, op="sum", then=step_fn, zeros_if_idle=True)
             self._sliced = (grad_fn, step_fn, chain)
         return self._sliced
 

@@ -379,7 +379,7 @@ def _all_reduce(rt: Runtime, variables: list[Any], op: str, nccl: bool) -> None:
         in_place = isinstance(value, np.ndarray) and value.flags.writeable
         result = rt.group.all_reduce(value, op, out=value if in_place else None)
         if result is not value:
-            rt.device.set(var, result)
+            rt.device.put_update(var, result)  # a new array, this rank's own: stored as it is
 
 
 def _set_value(rt: Runtime, variables: list[Any], values: list[Any], rows: list[Any], target: int) -> None:

@@ -11,7 +11,9 @@ Backend
     line (:class:`JaxOrDefault`).
 Cores
     With at most as many ranks as cores, every rank runs on its own disjoint set of cores
-    (:mod:`synk_comm.cores`); ``SYNK_CPU_PIN=0`` turns it off.
+    (:mod:`synk_comm.cores`); ``SYNK_CPU_PIN=0`` turns it off.  A rank on cores of its own
+    computes each JAX call on the thread that makes it (:func:`compute_on_calling_thread`);
+    ``SYNK_CPU_ASYNC=1`` keeps JAX's asynchronous dispatch.
 Ranks
     :func:`default_ranks`: one rank per core up to 4 cores, else one per 4 cores (at least 4).
     ``fork(n_parallel=...)`` or ``SYNK_CPU_RANKS`` choose otherwise.
@@ -27,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BACKEND_ENV", "PIN_ENV", "RANKS_ENV", "JaxOrDefault", "NumpySharedInputs", "choose_backend",
-           "default_ranks", "jax_importable", "pinning_enabled", "reading_numpy", "user_mode"]
+__all__ = ["ASYNC_ENV", "BACKEND_ENV", "PIN_ENV", "RANKS_ENV", "JaxOrDefault", "NumpySharedInputs", "choose_backend",
+           "compute_on_calling_thread", "default_ranks", "jax_importable", "pinning_enabled", "reading_numpy",
+           "user_mode"]
 
 log = logging.getLogger("synkhronos")
 
@@ -38,6 +41,9 @@ PIN_ENV = "SYNK_CPU_PIN"
 """``0``: CPU ranks are not pinned to cores of their own."""
 RANKS_ENV = "SYNK_CPU_RANKS"
 """The number of CPU ranks when ``fork`` is not given ``n_parallel``."""
+ASYNC_ENV = "SYNK_CPU_ASYNC"
+"""``1``: CPU ranks on cores of their own keep JAX's asynchronous dispatch
+(see :func:`compute_on_calling_thread`)."""
 SKIPPED_ASSERT = "Skipping .*Assert"
 """PyTensor's warning, at every JAX compile of a graph with shape checks, that JAX drops them (the
 master checks every call's inputs before the ranks compute): not shown for CPU mode's own choice."""
@@ -110,20 +116,53 @@ def pinning_enabled() -> bool:
     return os.environ.get(PIN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _jax_started() -> bool:
+    """Whether JAX has made its backends (clients) in this process: their settings are fixed."""
+    import sys
+
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
 def use_cpu_platform() -> None:
     """Make XLA's CPU backend JAX's default in this process, if JAX has not started yet (the
     workers get ``JAX_PLATFORMS=cpu`` at launch): CPU mode computes on the CPU also on a machine
     with GPUs."""
-    import sys
-
-    if "jax" in sys.modules:
-        from jax._src import xla_bridge
-
-        if getattr(xla_bridge, "_backends", None):
-            return  # JAX already chose its backends in this process: left as they are
+    if _jax_started():
+        return  # JAX already chose its backends in this process: left as they are
     import jax
 
     jax.config.update("jax_platforms", "cpu")
+
+
+def compute_on_calling_thread() -> bool:
+    """Make JAX compute each call of this process on the thread that makes it
+    (``jax_cpu_enable_async_dispatch=False``), for a CPU rank on cores of its own.
+
+    With JAX's default asynchronous dispatch a call returns at once and XLA computes on a thread
+    of its own, while the rank's thread goes on to wait for the other ranks, polling.  On a rank
+    of one core the two threads take turns on that core: the rank's share finished about 0.1 ms
+    later than the same share computed inline, and a rank's next step waited for its previous
+    update in the same way (the main job's model, docs/guides/cpu.rst).  A rank waits for every
+    result before it exchanges it anyway, so the asynchrony bought nothing.
+
+    Returns whether it applies: not with ``SYNK_CPU_ASYNC=1``, nor where JAX has already made its
+    CPU client in this process (its dispatch is fixed then; a master that used JAX before
+    :func:`synkhronos.fork` keeps its own).  Outside CPU mode's functions this changes only when
+    JAX's results are ready, never what they are.
+    """
+    if os.environ.get(ASYNC_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    if _jax_started():
+        log.debug("synkhronos: JAX had started in this process: its asynchronous dispatch is kept")
+        return False
+    import jax
+
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return True
 
 
 def enable_x64_if_float64() -> None:

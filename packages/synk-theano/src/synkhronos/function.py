@@ -341,7 +341,10 @@ class Function:
             raise ValueError("the call selects no rows of the scattered inputs (empty Data or an empty batch): "
                              "nothing to compute")
         bs_kind, bs = self._batch_s(rt, batch_s, index_parts)
-        index_did = data_registry.write_indices(rt, np.concatenate(index_parts)) if index_parts else -1
+        index_did = -1
+        if index_parts:
+            indices = index_parts[0] if len(index_parts) == 1 else np.concatenate(index_parts)
+            index_did = data_registry.write_indices(rt, indices)
         return calls.CallPlan(spec.fid, int(num_slices), kind, start,
                               [data_registry.data_id(rt, d) for d in datas], subset,
                               calls.normalise_positions(total, rt.size), bs_kind, bs, index_did)
@@ -359,7 +362,6 @@ class Function:
                 raise ValueError(f"the scattered inputs have different lengths {self._lengths(scattered)}; pass "
                                  "batch= to select the same rows of each")
             return 0, 0, n
-        lengths = self._lengths(scattered)
         limit = min((len(d) for d in full), default=None)
         if isinstance(batch, (bool, np.bool_)):
             raise TypeError(f"batch must be an int, a slice, or integer indices, got {batch!r}")
@@ -368,7 +370,8 @@ class Function:
             if not isinstance(batch, slice):
                 raise ValueError(f"batch={batch} is negative; it must be a count of rows >= 0")
             if limit is not None and batch.stop > limit:
-                raise ValueError(f"batch={batch.stop} asks for more rows than the inputs have ({lengths})")
+                raise ValueError(f"batch={batch.stop} asks for more rows than the inputs have "
+                                 f"({self._lengths(scattered)})")
             self._check_minibatch(scattered, batch.stop)  # batch=k needs k rows, not fewer after clipping
         if isinstance(batch, slice):
             if limit is None:  # only minibatch inputs: the slice counts positions
@@ -385,11 +388,14 @@ class Function:
                 raise TypeError(f"batch must be an int, a slice, or integer indices, got {batch!r}")
             index = calls.as_index_array(batch, "batch")
             total = len(index)
-            if limit is not None and total and (int(np.max(index)) >= limit or int(np.min(index)) < -limit):
-                bad = index[(index >= limit) | (index < -limit)][:5].tolist()
-                raise ValueError(f"batch indices {bad} out of range for inputs of lengths {lengths}")
-            if limit is not None:
-                index = np.where(index < 0, index + limit, index)
+            if limit is not None and total:
+                low = int(index.min())
+                if int(index.max()) >= limit or low < -limit:
+                    bad = index[(index >= limit) | (index < -limit)][:5].tolist()
+                    raise ValueError(f"batch indices {bad} out of range for inputs of lengths "
+                                     f"{self._lengths(scattered)}")
+                if low < 0:  # negative indices count from the end, as in numpy
+                    index = np.where(index < 0, index + limit, index)
             self._check_minibatch(scattered, total)
         index_parts.append(index)
         return 1, 0, total

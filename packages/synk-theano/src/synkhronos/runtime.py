@@ -14,6 +14,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from synk_comm import Group
+from synk_comm.cores import CORES_ENV
 from synk_shm import Data
 from synkhronos.device import Device
 
@@ -114,4 +115,4 @@ def _make_device(use_gpu: bool) -> Device:
     from synkhronos.cpu import BACKEND_ENV
     from synkhronos.device import CpuDevice
 
-    return CpuDevice(os.environ.get(BACKEND_ENV, "pytensor"))
+    return CpuDevice(os.environ.get(BACKEND_ENV, "pytensor"), pinned=bool(os.environ.get(CORES_ENV)))
