@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+from typing import Any
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
 from synk_testutil import TIMEOUT, USE_GPU, TwiceInPython, worker_pids
 
 import synkhronos as synk
@@ -244,6 +249,66 @@ def test_ranks_run_on_disjoint_cores_with_their_thread_pools_sized_to_them(defau
     np.testing.assert_allclose(synk.function([x], outputs=(x.sum(), "sum"))(synk.data(xd)), xd.sum())
     synk.close()
     assert os.sched_getaffinity(0) == before  # the master's cores back
+
+
+class AsyncDispatchOf(Op):
+    """One row per call: 1.0 where this process's JAX dispatches CPU calls asynchronously, else 0.0
+    (Python only, no JAX implementation: CPU mode's JAX backend runs it in the default mode)."""
+
+    __props__ = ()
+
+    def make_node(self, x: Any) -> Apply:
+        return Apply(self, [pt.as_tensor_variable(x)], [pt.dvector()])
+
+    def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        from jax._src import xla_bridge
+
+        output_storage[0][0] = np.array([float(xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value)])
+
+
+@needs_jax
+@needs_two_cores
+@pytest.mark.parametrize("keep_async", [False, True])
+def test_a_rank_on_one_core_computes_jax_calls_on_its_calling_thread(default_backend_choice, monkeypatch,
+                                                                      keep_async):
+    """A worker pinned to one core turns JAX's asynchronous dispatch off (SYNK_CPU_ASYNC=1 keeps it;
+    a rank of several cores keeps it too); the results are the plain function's either way."""
+    if keep_async:
+        monkeypatch.setenv(cpu.ASYNC_ENV, "1")
+    else:
+        monkeypatch.delenv(cpu.ASYNC_ENV, raising=False)
+    worker_cores = cores.split(cores.available(), 2)[1]
+    synk.fork(2, use_gpu=False)
+    x = pt.matrix("x")
+    flags = synk.function([x], outputs=(AsyncDispatchOf()(x), "gather"))(synk.data(np.ones((4, 2))))
+    assert flags[1] == float(keep_async or len(worker_cores) > 1)
+    inputs, loss, updates, _ = regression_step()
+    xd, yd = data()
+    expected = pytensor.function(inputs, loss, mode="FAST_COMPILE")(xd, yd)  # before the step's updates
+    step = synk.function(inputs, (loss, "avg"), updates=updates)
+    np.testing.assert_allclose(step(synk.data(xd), synk.data(yd)), expected, rtol=1e-6)
+
+
+@needs_jax
+@pytest.mark.parametrize("case", ["fresh", "jax started", "kept async"])
+def test_compute_on_calling_thread_applies_only_before_jax_starts(case):
+    """In a fresh interpreter: applied (and a call's result is ready when it returns); after JAX made
+    its CPU client, or with SYNK_CPU_ASYNC=1: not applied, JAX's dispatch unchanged."""
+    script = (
+        "import jax, jax.numpy as jnp\n"
+        "from jax._src import xla_bridge\n"
+        "from synkhronos import cpu\n"
+        + ("jnp.ones(2).block_until_ready()\n" if case == "jax started" else "")
+        + "applied = cpu.compute_on_calling_thread()\n"
+        "print(applied, xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value, float(jnp.ones(3).sum()))\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop(cpu.ASYNC_ENV, None)
+    if case == "kept async":
+        env[cpu.ASYNC_ENV] = "1"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = "True False 3.0" if case == "fresh" else "False True 3.0"
+    assert out.stdout.split("\n")[0] == expected
 
 
 @needs_two_cores

@@ -11,7 +11,7 @@ Backend
     line (:class:`JaxOrDefault`).
 Cores
     With at most as many ranks as cores, every rank runs on its own disjoint set of cores
-    (:mod:`synk_comm.cores`); ``SYNK_CPU_PIN=0`` turns it off.  A rank on cores of its own
+    (:mod:`synk_comm.cores`); ``SYNK_CPU_PIN=0`` turns it off.  A rank pinned to one core
     computes each JAX call on the thread that makes it (:func:`compute_on_calling_thread`);
     ``SYNK_CPU_ASYNC=1`` keeps JAX's asynchronous dispatch.
 Ranks
@@ -42,7 +42,7 @@ PIN_ENV = "SYNK_CPU_PIN"
 RANKS_ENV = "SYNK_CPU_RANKS"
 """The number of CPU ranks when ``fork`` is not given ``n_parallel``."""
 ASYNC_ENV = "SYNK_CPU_ASYNC"
-"""``1``: CPU ranks on cores of their own keep JAX's asynchronous dispatch
+"""``1``: CPU ranks pinned to one core keep JAX's asynchronous dispatch
 (see :func:`compute_on_calling_thread`)."""
 SKIPPED_ASSERT = "Skipping .*Assert"
 """PyTensor's warning, at every JAX compile of a graph with shape checks, that JAX drops them (the
@@ -140,19 +140,21 @@ def use_cpu_platform() -> None:
 
 def compute_on_calling_thread() -> bool:
     """Make JAX compute each call of this process on the thread that makes it
-    (``jax_cpu_enable_async_dispatch=False``), for a CPU rank on cores of its own.
+    (``jax_cpu_enable_async_dispatch=False``): what a CPU rank pinned to one core of its own does.
 
     With JAX's default asynchronous dispatch a call returns at once and XLA computes on a thread
-    of its own, while the rank's thread goes on to wait for the other ranks, polling.  On a rank
-    of one core the two threads take turns on that core: the rank's share finished about 0.1 ms
-    later than the same share computed inline, and a rank's next step waited for its previous
-    update in the same way (the main job's model, docs/guides/cpu.rst).  A rank waits for every
-    result before it exchanges it anyway, so the asynchrony bought nothing.
+    of its own, while the rank's thread goes on to wait for the other ranks, polling.  On one core
+    the two threads take turns: the master, which returns from its dispatch first, finished its
+    share of the main job's step about 0.1 ms after the worker, which waited for it at the
+    barrier (docs/guides/cpu.rst).  A rank needs every result before it exchanges it, so on one
+    core the asynchrony buys nothing.  Ranks of several cores keep it (the benchmark MLP's step
+    at 2 ranks of 8 cores was about 3% slower inline).
 
     Returns whether it applies: not with ``SYNK_CPU_ASYNC=1``, nor where JAX has already made its
-    CPU client in this process (its dispatch is fixed then; a master that used JAX before
-    :func:`synkhronos.fork` keeps its own).  Outside CPU mode's functions this changes only when
-    JAX's results are ready, never what they are.
+    CPU client in this process (its dispatch is fixed then: a master that used JAX before
+    :func:`synkhronos.fork` keeps it, and so does the rest of this process after
+    :func:`synkhronos.close` where it applied).  It changes when JAX's results are ready, never
+    what they are.
     """
     if os.environ.get(ASYNC_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
         return False

@@ -114,14 +114,14 @@ class CpuDevice(Device):
     ranks : int
         The group's ranks; 0 where not known (a worker: a group of several).  With one rank the
         in-graph collectives are the identity, which JAX traces away: such graphs compile in JAX too.
-    pinned : bool
-        Whether this rank runs on cores of its own: with backend ``"jax"`` it then computes each
-        call on the calling thread (:func:`~synkhronos.cpu.compute_on_calling_thread`).
+    one_core : bool
+        Whether this rank runs pinned to one core of its own: with backend ``"jax"`` it then
+        computes each call on the calling thread (:func:`~synkhronos.cpu.compute_on_calling_thread`).
     """
 
     kind = "cpu"
 
-    def __init__(self, backend: str = "pytensor", ranks: int = 0, pinned: bool = False) -> None:
+    def __init__(self, backend: str = "pytensor", ranks: int = 0, one_core: bool = False) -> None:
         if backend not in ("jax", "pytensor"):
             raise ValueError(f"CPU backend must be 'jax' or 'pytensor', got {backend!r}")
         self.backend = backend
@@ -132,7 +132,7 @@ class CpuDevice(Device):
             from synkhronos import cpu
 
             cpu.use_cpu_platform()
-            self.inline = pinned and cpu.compute_on_calling_thread()
+            self.inline = one_core and cpu.compute_on_calling_thread()
             cpu.enable_x64_if_float64()
             cpu.backport_jax_arange()
             cpu.quiet_x64_truncation()

@@ -171,7 +171,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         # not pinned: each rank's pools a share of the cores; pinned: synk_comm sizes each worker's
         # pools to its own set
         threads = _shared_threads(n_parallel, env) if core_sets is None else len(core_sets[master_rank])
-        device = CpuDevice(backend, ranks=n_parallel, pinned=core_sets is not None)
+        device = CpuDevice(backend, ranks=n_parallel, one_core=threads == 1 and core_sets is not None)
     # GPU ranks have cores to spare: poll longer before sleeping, as a sleeping rank wakes slowly.
     # CPU ranks pinned to cores of their own too: a rank that polls takes no core from another
     # rank, while a rank that slept between two calls wakes tens of microseconds late (and the

@@ -389,8 +389,8 @@ class Function:
             index = calls.as_index_array(batch, "batch")
             total = len(index)
             if limit is not None and total:
-                low = int(index.min())
-                if int(index.max()) >= limit or low < -limit:
+                low = int(np.min(index))
+                if int(np.max(index)) >= limit or low < -limit:
                     bad = index[(index >= limit) | (index < -limit)][:5].tolist()
                     raise ValueError(f"batch indices {bad} out of range for inputs of lengths "
                                      f"{self._lengths(scattered)}")

@@ -115,4 +115,5 @@ def _make_device(use_gpu: bool) -> Device:
     from synkhronos.cpu import BACKEND_ENV
     from synkhronos.device import CpuDevice
 
-    return CpuDevice(os.environ.get(BACKEND_ENV, "pytensor"), pinned=bool(os.environ.get(CORES_ENV)))
+    cores = os.environ.get(CORES_ENV, "").strip()  # set where the worker is pinned: its cores
+    return CpuDevice(os.environ.get(BACKEND_ENV, "pytensor"), one_core=bool(cores) and "," not in cores)
