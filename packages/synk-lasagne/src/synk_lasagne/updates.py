@@ -4,7 +4,8 @@ A data-parallel step has three parts (the seed's "Update Rules" scheme):
 
 1. every rank computes the raw gradient of its share of the batch into ONE flat shared vector,
    ``flat_grad`` (one collective call instead of one per parameter);
-2. ``synk.all_reduce(flat_grad, op="avg")`` makes that vector the same in every rank;
+2. ``synk.all_reduce(flat_grad, op="sum")`` makes that vector the same in every rank (``"avg"``
+   too: the weight in its last entry cancels the factor, see below);
 3. every rank applies the same update, reading the gradients as views of ``flat_grad``.
 
 Every rule below therefore returns three things, as a :class:`RuleUpdates` named tuple:
@@ -108,7 +109,7 @@ wraps in one call):
 >>> f_step = synk.function([], updates=rule.param_updates)                   # doctest: +SKIP
 >>> x_data = synk.data(np.ones((5, 3)))                                      # doctest: +SKIP
 >>> loss_value = f_grad(x_data)                  # each rank: its rows      # doctest: +SKIP
->>> synk.all_reduce(rule.flat_grad, op="avg")    # one collective call      # doctest: +SKIP
+>>> synk.all_reduce(rule.flat_grad, op="sum")    # one collective call      # doctest: +SKIP
 >>> f_step()                                     # the same step everywhere # doctest: +SKIP
 
 Every hyperparameter may be a symbolic scalar (e.g. a shared variable) to change it during
