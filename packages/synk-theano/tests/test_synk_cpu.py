@@ -269,7 +269,7 @@ class AsyncDispatchOf(Op):
 @needs_jax
 @needs_two_cores
 @pytest.mark.parametrize("keep_async", [False, True])
-def test_a_rank_on_one_core_computes_jax_calls_on_its_calling_thread(default_backend_choice, monkeypatch,
+def test_a_rank_on_one_core_computes_jax_calls_on_its_calling_thread(default_backend_choice, monkeypatch, caplog,
                                                                       keep_async):
     """A worker pinned to one core turns JAX's asynchronous dispatch off (SYNK_CPU_ASYNC=1 keeps it;
     a rank of several cores keeps it too); the results are the plain function's either way."""
@@ -278,7 +278,11 @@ def test_a_rank_on_one_core_computes_jax_calls_on_its_calling_thread(default_bac
     else:
         monkeypatch.delenv(cpu.ASYNC_ENV, raising=False)
     worker_cores = cores.split(cores.available(), 2)[1]
-    synk.fork(2, use_gpu=False)
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        synk.fork(2, use_gpu=False)
+    master = current().device
+    assert ("JAX computing inline" in caplog.text) == master.inline  # the master: inline unless JAX ran here first
+    assert not (keep_async and master.inline)
     x = pt.matrix("x")
     flags = synk.function([x], outputs=(AsyncDispatchOf()(x), "gather"))(synk.data(np.ones((4, 2))))
     assert flags[1] == float(keep_async or len(worker_cores) > 1)

@@ -116,7 +116,8 @@ class CpuDevice(Device):
         in-graph collectives are the identity, which JAX traces away: such graphs compile in JAX too.
     one_core : bool
         Whether this rank runs pinned to one core of its own: with backend ``"jax"`` it then
-        computes each call on the calling thread (:func:`~synkhronos.cpu.compute_on_calling_thread`).
+        computes each call on the calling thread (:func:`~synkhronos.cpu.compute_on_calling_thread`;
+        :attr:`inline` says whether that applied).
     """
 
     kind = "cpu"
@@ -128,6 +129,7 @@ class CpuDevice(Device):
         self.ranks = ranks
         self.computes_in_jax = backend == "jax"
         self.inline = False
+        """Whether JAX computes this rank's calls on the calling thread (see ``one_core``)."""
         if backend == "jax":
             from synkhronos import cpu
 

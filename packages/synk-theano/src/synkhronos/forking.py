@@ -190,6 +190,8 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     where = f", GPUs {devices}" if devices else ""
     if not use_gpu:
         where = f", backend {device.backend}, " + (f"cores {core_sets}" if core_sets else "not pinned")
+        if device.inline:
+            where += ", JAX computing inline"  # one-core ranks: synkhronos.cpu.compute_on_calling_thread
     log.info("synkhronos: %d ranks in %s mode (master rank %d%s) ready in %.2f s", n_parallel,
              "GPU" if use_gpu else "CPU", master_rank, where, time.perf_counter() - t0)
     return n_parallel
