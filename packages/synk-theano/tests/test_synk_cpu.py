@@ -296,8 +296,8 @@ def test_a_rank_on_one_core_computes_jax_calls_on_its_calling_thread(default_bac
 @needs_jax
 @pytest.mark.parametrize("case", ["fresh", "jax started", "kept async"])
 def test_compute_on_calling_thread_applies_only_before_jax_starts(case):
-    """In a fresh interpreter: applied (and a call's result is ready when it returns); after JAX made
-    its CPU client, or with SYNK_CPU_ASYNC=1: not applied, JAX's dispatch unchanged."""
+    """In a fresh interpreter: applied (JAX's flag off, results unchanged); after JAX made its CPU
+    client, or with SYNK_CPU_ASYNC=1: not applied, JAX's dispatch unchanged."""
     script = (
         "import jax, jax.numpy as jnp\n"
         "from jax._src import xla_bridge\n"
