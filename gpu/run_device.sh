@@ -100,12 +100,12 @@ fi
 # e.g. VARIANTS='--layers 8;--layers 12' (a leading ';': the defaults first); with BASE=<dir holding
 # another tree's packages/ and examples/> (carried), that tree's main job before each of ours
 if [ "$what" = cpu2 ]; then
-  two=$(python3 -c "
+  two=${CORES:-$(python3 -c "
 from synk_comm.cores import available, physical_core
 first = {}  # each physical core's first logical CPU
 for c in available():
     first.setdefault(physical_core(c), c)
-print(','.join(map(str, list(first.values())[:2])))")
+print(','.join(map(str, list(first.values())[:2])))")}
   echo "cores $two; cpu0's hyperthreads: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list)"
   if [ "${TINY:-1}" != 0 ]; then
     for i in 1 2; do

@@ -9,6 +9,8 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
 from synk_testutil import TIMEOUT, parts
 
 import synkhronos as synk
@@ -139,6 +141,41 @@ def test_a_failing_first_call_changes_nothing_and_the_group_goes_on(s, ranks):
     expected = 1 + sum(p[:2].sum(axis=0) for p in parts(synk.gather(s.rows, nd_up=0), ranks))
     for value in _in_ranks(s.w, ranks):
         np.testing.assert_allclose(value, expected)
+
+
+class RefusePositive(Op):
+    """``x`` as it is, raising in ``perform`` where it is positive (a rank-dependent failure)."""
+
+    __props__ = ()
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, output_storage):
+        if inputs[0] > 0:
+            raise ValueError("then refused: flag is set in this rank")
+        output_storage[0][0] = np.asarray(inputs[0], dtype=node.outputs[0].dtype)
+
+
+def test_a_then_failing_in_a_worker_after_its_reply_raises_its_error_and_the_group_goes_on(s, ranks):
+    """A worker replies ``first``'s outputs before the all-reduce: a failure after that (here its
+    ``then``) still reaches the master as that worker's error, not as a result."""
+    flag = pytensor.shared(np.float64(0), name="flag")
+    then = synk.function([], updates=[(s.w, s.w + s.acc + RefusePositive()(flag))])
+    step = synk.chain(s.first, all_reduce=s.acc, op="sum", then=then)
+    x = np.random.default_rng(5).normal(size=(2 * ranks, 3))
+    s.reset(ranks)
+    synk.distribute()
+    synk.set_value(ranks - 1, flag, np.float64(1))  # the last worker refuses
+    with pytest.raises(synk.WorkerError, match="flag is set"):
+        step(synk.data(x))
+    synk.set_value(ranks - 1, flag, np.float64(0))
+    s.reset(ranks)
+    out = step(synk.data(x))
+    np.testing.assert_allclose(out[0], x.mean())
+    for value in _in_ranks(s.w, ranks):
+        np.testing.assert_allclose(value, x.sum(axis=0))
 
 
 @pytest.mark.parametrize("zeros_if_idle", [False, True])

@@ -348,6 +348,15 @@ def test_split_gives_disjoint_even_runs():
         cores.split([0, 1], 3)
 
 
+def test_env_cores_reads_the_cores_a_worker_was_launched_with(monkeypatch):
+    monkeypatch.setenv(cores.CORES_ENV, "3,5")
+    assert cores.env_cores() == [3, 5]
+    monkeypatch.setenv(cores.CORES_ENV, " 7 ")
+    assert cores.env_cores() == [7]
+    monkeypatch.delenv(cores.CORES_ENV)
+    assert cores.env_cores() is None
+
+
 def test_available_puts_a_physical_cores_hyperthreads_side_by_side(monkeypatch):
     # 8 logical CPUs, core c's two hyperthreads numbered c and c + 4 (as Linux often numbers them):
     # two ranks get two whole physical cores each, not the two halves of the same four

@@ -19,8 +19,8 @@ import logging
 import os
 from collections.abc import Sequence
 
-__all__ = ["CORES_ENV", "THREAD_VARS", "available", "physical_core", "pin_from_env", "pin_process", "restore", "split",
-           "thread_env"]
+__all__ = ["CORES_ENV", "THREAD_VARS", "available", "env_cores", "physical_core", "pin_from_env", "pin_process", "restore",
+           "split", "thread_env"]
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +130,17 @@ def thread_env(n_cores: int, environ: dict[str, str] | None = None) -> dict[str,
     return {var: environ.get(var, str(n_cores)) for var in THREAD_VARS}
 
 
-def pin_from_env() -> list[int] | None:
-    """In a worker at start-up: pin the process to the cores of :data:`CORES_ENV`, if set."""
+def env_cores() -> list[int] | None:
+    """The cores that :data:`CORES_ENV` gives this process (a worker pinned at launch), None where
+    it is not set (the master, or a worker of a group without ``cores=``)."""
     value = os.environ.get(CORES_ENV, "").strip()
-    if not value:
-        return None
-    cores = [int(c) for c in value.split(",")]
-    pin_process(cores)
+    return [int(c) for c in value.split(",")] if value else None
+
+
+def pin_from_env() -> list[int] | None:
+    """In a worker at start-up: pin the process to the cores of :data:`CORES_ENV`, if set; returns
+    them."""
+    cores = env_cores()
+    if cores is not None:
+        pin_process(cores)
     return cores

@@ -14,9 +14,9 @@ round trips between the master and the workers and, on GPUs, a wait for each to 
 How it travels: the first call's plan goes into the shared scratch slots as for any call
 (:mod:`synkhronos.calls`), followed by the chain's tail ``[then's id, op, zeros_if_idle, n,
 shared ids...]``;
-no pickling.  Every rank runs its share of ``first``, then all ranks meet at a barrier (if any
-rank failed, every other rank stops there, so that none waits forever inside the collective),
-all-reduce (nothing with one rank), and run ``then``.
+no pickling.  Every rank runs its share of ``first`` (a worker replies its outputs right away),
+then all ranks meet at a barrier (if any rank failed, every other rank stops there, so that none
+waits forever inside the collective), all-reduce (nothing with one rank), and run ``then``.
 
 Under the per-rank engine the all-reduce goes through host shared memory (in GPU mode too: the
 device path through NCCL went with the per-rank GPU engine's default).  Under the JAX engine the
@@ -167,6 +167,10 @@ def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
     then_fid, op_code, zeros_if_idle, n = (int(v) for v in scratch[offset:offset + 4])
     variables = [rt.shared[int(sid)] for sid in scratch[offset + 4:offset + 4 + n]]
     weight, outputs = calls.execute(rt, plan)
+    # ``first``'s outputs are final: a worker replies them now, in what would be its wait at the
+    # barrier if it is the first there, so that the master does not wait for it after ``then``
+    # (a failure later in the chain replaces the reply with the error)
+    own = calls.reply(rt, plan, weight, outputs)
     if weight == 0 and zeros_if_idle:
         for var in variables:
             rt.device.set(var, np.zeros(rt.device.raw(var).shape, dtype=var.type.dtype))
@@ -176,7 +180,7 @@ def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
     if then_fid >= 0:
         then = rt.replicas[then_fid]
         calls.compute(rt, then, 1.0, lambda: then.run([], [], None, None, 1, 1))
-    return calls.reply(rt, plan, weight, outputs)
+    return own
 
 
 @handler(CHAIN)

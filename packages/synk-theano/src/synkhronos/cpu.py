@@ -111,9 +111,20 @@ def default_ranks(n_cores: int) -> int:
     return max(CORES_PER_RANK, n_cores // CORES_PER_RANK)
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """An on/off environment variable: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``
+    (any case); unset, empty or anything else: ``default``."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return default
+
+
 def pinning_enabled() -> bool:
     """Whether CPU ranks are pinned to cores of their own (``SYNK_CPU_PIN``, default on)."""
-    return os.environ.get(PIN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _env_flag(PIN_ENV, True)
 
 
 def _jax_started() -> bool:
@@ -156,7 +167,7 @@ def compute_on_calling_thread() -> bool:
     :func:`synkhronos.close` where it applied).  It changes when JAX's results are ready, never
     what they are.
     """
-    if os.environ.get(ASYNC_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    if _env_flag(ASYNC_ENV, False):
         return False
     if _jax_started():
         log.debug("synkhronos: JAX had started in this process: its asynchronous dispatch is kept")

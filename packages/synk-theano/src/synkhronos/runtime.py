@@ -14,7 +14,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from synk_comm import Group
-from synk_comm.cores import CORES_ENV
+from synk_comm.cores import env_cores
 from synk_shm import Data
 from synkhronos.device import Device
 
@@ -115,5 +115,5 @@ def _make_device(use_gpu: bool) -> Device:
     from synkhronos.cpu import BACKEND_ENV
     from synkhronos.device import CpuDevice
 
-    cores = os.environ.get(CORES_ENV, "").strip()  # set where the worker is pinned: its cores
-    return CpuDevice(os.environ.get(BACKEND_ENV, "pytensor"), one_core=bool(cores) and "," not in cores)
+    cores = env_cores()  # set where the worker is pinned: its cores
+    return CpuDevice(os.environ.get(BACKEND_ENV, "pytensor"), one_core=cores is not None and len(cores) == 1)
