@@ -19,8 +19,8 @@ import logging
 import os
 from collections.abc import Sequence
 
-__all__ = ["CORES_ENV", "THREAD_VARS", "available", "env_cores", "physical_core", "pin_from_env", "pin_process", "restore",
-           "split", "thread_env"]
+__all__ = ["CORES_ENV", "THREAD_VARS", "available", "env_cores", "physical_core", "pin_from_env", "pin_process",
+           "restore", "split", "thread_env"]
 
 log = logging.getLogger(__name__)
 
