@@ -37,3 +37,72 @@ if os.environ.get("SYNK_PROBE_DIR"):
                     np.array(_stamps, dtype=np.int64))
 
         atexit.register(_dump)
+
+if os.environ.get("SYNK_PROBE_PHASES_DIR"):
+    # probe_chain_step.py: every process (master and workers) records when each phase of a
+    # synk.chain step starts and ends, ``(tag + ">" or "<", time.perf_counter())``; perf_counter is
+    # CLOCK_MONOTONIC, so the processes' stamps compare.  The modules are wrapped as they are
+    # imported (an import hook), since this runs before any of them.
+    import atexit
+    import functools
+    import importlib.abc
+    import importlib.util
+    import json
+    import sys
+    import time
+
+    _events: list[tuple[str, float]] = []
+
+    def _wrap(owner, name, tag):  # type: ignore[no-untyped-def]
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def stamped(*args, **kwargs):  # type: ignore[no-untyped-def]
+            _events.append((tag + ">", time.perf_counter()))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _events.append((tag + "<", time.perf_counter()))
+
+        setattr(owner, name, stamped)
+
+    _PHASES = {  # module -> [(attribute path, tag)]
+        "synkhronos.chain": [("Chain.__call__", "step"), ("_all_reduce", "all_reduce")],
+        "synkhronos.calls": [("execute", "share"), ("compute", "compute"), ("reply", "reply"),
+                             ("decode", "decode")],
+        "synkhronos.function": [("Function._prepare", "plan"), ("Function._gather", "combine")],
+        "synkhronos.cpu": [("JaxOrDefault.__call__", "jax")],
+        "synk_comm.group": [("Group.barrier", "barrier"), ("Group.start_command", "start"),
+                            ("Group.finish_command", "finish")],
+    }
+
+    class _StampOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+            if name not in _PHASES:
+                return None
+            sys.meta_path.remove(self)
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                sys.meta_path.insert(0, self)
+            load = spec.loader.exec_module
+
+            def exec_module(module):  # type: ignore[no-untyped-def]
+                load(module)
+                for path, tag in _PHASES[name]:
+                    *owners, attr = path.split(".")
+                    owner = module
+                    for o in owners:
+                        owner = getattr(owner, o)
+                    _wrap(owner, attr, tag)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _StampOnImport())
+
+    @atexit.register
+    def _dump_phases() -> None:
+        if _events:
+            with open(os.path.join(os.environ["SYNK_PROBE_PHASES_DIR"], f"{os.getpid()}.json"), "w") as f:
+                json.dump(_events, f)
