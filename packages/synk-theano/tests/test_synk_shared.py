@@ -189,3 +189,57 @@ def test_values_are_cast_to_their_declared_dtype_until_a_call_finds_them_so():
     assert "outputs" in rep._exact
     assert rep._in_declared("outputs", [wide], [var])[0] is wide  # no longer checked
     assert rep._in_declared("updates", [wide], [var])[0].dtype == np.float32  # each kind on its own
+
+
+def test_pack_refuses_what_it_cannot_pack():
+    from synkhronos import packing
+
+    a = pytensor.shared(np.zeros((2, 3)), name="a")
+    with pytest.raises(ValueError, match="at least one"):
+        packing.pack([])
+    with pytest.raises(ValueError, match="more than once"):
+        packing.pack([a, a])
+    with pytest.raises(ValueError, match="several dtypes"):
+        packing.pack([a, pytensor.shared(np.zeros(3, dtype="float32"))])
+    with pytest.raises(TypeError, match="shared tensors"):
+        packing.pack([a, pt.vector()])
+    with pytest.raises(ValueError, match="not a packed vector"):
+        packing.views(a)
+
+
+@pytest.mark.skipif(ON_ENGINE, reason="packing is CPU mode's (the per-rank engine's host buffers)")
+def test_a_packed_vector_updates_its_members_in_every_rank_and_takes_in_their_new_values(ranks):
+    """``flat := 2 * flat`` over the views of two members doubles both in every rank (and a
+    function reading a member sees it); a member set in one rank between two calls, or given a
+    value by a collective, is what the next call doubles."""
+    from synkhronos import packing
+
+    a0, b0 = np.arange(6.0).reshape(2, 3), np.array([1.0, -2.0, 3.0])
+    a = pytensor.shared(a0.copy(), name="a")
+    b = pytensor.shared(b0.copy(), name="b")
+    flat = packing.pack([a, b], name="ab")
+    np.testing.assert_array_equal(flat.get_value(), np.concatenate([a0.ravel(), b0]))
+    double = synk.function([], updates=[(flat, 2 * flat)], givens=packing.views(flat))
+    total = synk.function([], outputs=(a.sum() + b.sum(), "gather"))
+
+    def expect(a_by_rank, b_by_rank):
+        ga, gb = synk.gather([a, b], nd_up=1)
+        np.testing.assert_array_equal(ga, np.stack(a_by_rank))
+        np.testing.assert_array_equal(gb, np.stack(b_by_rank))
+        np.testing.assert_allclose(total(), [x.sum() + y.sum() for x, y in zip(a_by_rank, b_by_rank)])
+
+    double()
+    expect([2 * a0] * ranks, [2 * b0] * ranks)
+    assert np.shares_memory(a.get_value(borrow=True), flat.get_value(borrow=True))
+    synk.set_value(ranks - 1, a, np.ones((2, 3)))  # one rank's member, from outside
+    double()
+    expect([4 * a0] * (ranks - 1) + [2 * np.ones((2, 3))], [4 * b0] * ranks)
+    synk.broadcast(b, np.zeros(3))  # a collective gives every rank a new value
+    double()
+    expect([8 * a0] * (ranks - 1) + [4 * np.ones((2, 3))], [np.zeros(3)] * ranks)
+    synk.set_value(0, a, np.ones((3, 2)))
+    with pytest.raises(ValueError, match="keeps its shape"):
+        double()
+    synk.broadcast([a, b], [a0, b0])  # the group goes on
+    double()
+    expect([2 * a0] * ranks, [2 * b0] * ranks)
