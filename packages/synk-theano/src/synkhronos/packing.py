@@ -27,7 +27,6 @@ Examples
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -39,8 +38,8 @@ __all__ = ["is_packed", "members", "pack", "store", "sync", "views"]
 TAG = "synk_packed"
 """The vector's ``tag`` attribute: ``[(member, start, shape), ...]`` (travels with the variable)."""
 
-_views: weakref.WeakKeyDictionary[Any, tuple[Any, list[np.ndarray]]] = weakref.WeakKeyDictionary()
-"""In this rank, per packed vector: the value its members view, and their views of it."""
+_buffers: weakref.WeakKeyDictionary[Any, tuple[np.ndarray, list[np.ndarray]]] = weakref.WeakKeyDictionary()
+"""This rank's buffer of each packed vector, and the members' views of it."""
 
 
 def pack(variables: Sequence[Any], name: str | None = None) -> Any:
@@ -108,18 +107,14 @@ def views(flat: Any) -> list[tuple[Any, Any]]:
     layout = members(flat)
     if not layout:
         raise ValueError(f"{flat!r} is not a packed vector (see synkhronos.packing.pack)")
-    size = sum(math.prod(shape) for _, _, shape in layout)
+    size = sum(int(np.prod(shape)) for _, _, shape in layout)
     whole = pt.specify_shape(flat, (size,))
-    return [(var, whole[start:start + math.prod(shape)].reshape(shape)) for var, start, shape in layout]
+    return [(var, whole[start:start + int(np.prod(shape))].reshape(shape)) for var, start, shape in layout]
 
 
 def sync(flat: Any) -> None:
-    """In this rank, before a function reads ``flat``: its value holds every member's current
-    value, and each member's value is a view of it.
-
-    A member whose value is no longer its view (set from outside) makes ``flat`` a new vector of
-    the members' values; else a new value of ``flat`` itself (set by a collective) is what the
-    members view.
+    """In this rank, before a function reads ``flat``: its value is its buffer, holding every
+    member's current value, and each member's value is its view of the buffer.
 
     Raises
     ------
@@ -127,38 +122,35 @@ def sync(flat: Any) -> None:
         If a member's value no longer has the shape it was packed with.
     """
     layout = members(flat)
-    known = _views.get(flat)
+    known = _buffers.get(flat)
+    if known is None:
+        buffer = np.array(flat.container.storage[0], copy=True)
+        parts = [buffer[start:start + int(np.prod(shape))].reshape(shape) for _, start, shape in layout]
+        _buffers[flat] = known = (buffer, parts)
+    buffer, parts = known
     cell = flat.container.storage
-    if known is not None and all(var.container.storage[0] is part for (var, _, _), part in zip(layout, known[1])):
-        if cell[0] is not known[0]:
-            _view(flat, layout, cell[0])
-        return
-    values = []
-    for var, _, shape in layout:
-        value = np.asarray(var.container.storage[0])
+    if cell[0] is not buffer:  # set from outside (a collective on the vector itself): its value counts
+        np.copyto(buffer, np.asarray(cell[0]).reshape(buffer.shape))
+        cell[0] = buffer
+    for (var, _, shape), part in zip(layout, parts):
+        own = var.container.storage
+        if own[0] is part:
+            continue
+        value = np.asarray(own[0])
         if value.shape != shape:
             raise ValueError(f"{var!r} was packed with shape {shape} but its value now has shape {value.shape}: "
                              "a packed variable keeps its shape")
-        values.append(value.reshape(-1))
-    cell[0] = np.concatenate(values).astype(flat.type.dtype, copy=False)
-    _view(flat, layout, cell[0])
+        np.copyto(part, value, casting="same_kind")
+        own[0] = part
 
 
 def store(flat: Any, value: Any) -> None:
-    """In this rank, after a function computed ``flat``'s new ``value``: stored, and every member's
-    value becomes its view of it (no copy of a JAX array, whose host memory is viewed read-only as
-    it is; a writable numpy array is copied, so that nothing else that holds it writes into the
-    members)."""
-    if isinstance(value, np.ndarray) and value.flags.writeable:
-        value = value.copy()
-    flat.container.storage[0] = value
-    _view(flat, members(flat), value)
-
-
-def _view(flat: Any, layout: list[tuple[Any, int, tuple[int, ...]]], value: Any) -> None:
-    """Each member's value: its slice of ``value`` (read-only where ``value`` is a JAX array)."""
-    host = np.asarray(value)
-    parts = [host[start:start + math.prod(shape)].reshape(shape) for _, start, shape in layout]
-    for (var, _, _), part in zip(layout, parts):
-        var.container.storage[0] = part
-    _views[flat] = (value, parts)
+    """In this rank, after a function computed ``flat``'s new ``value``: copied into its buffer,
+    which every member views (or stored as it is where :func:`sync` never ran here)."""
+    known = _buffers.get(flat)
+    if known is None:
+        flat.container.storage[0] = value
+        return
+    buffer = known[0]
+    np.copyto(buffer, np.asarray(value).reshape(buffer.shape), casting="same_kind")
+    flat.container.storage[0] = buffer
