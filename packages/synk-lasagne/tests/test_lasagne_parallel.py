@@ -17,7 +17,6 @@ from lasagne_testutil import FAST, TIMEOUT, NumpyRule, Reference, initial_params
 
 import synkhronos as synk
 from synk_lasagne import make_train_function, updates
-from synk_lasagne.training import in_graph_all_reduce_pays
 
 pytestmark = pytest.mark.timeout(TIMEOUT)
 
@@ -223,37 +222,3 @@ def test_the_step_is_one_function_with_the_all_reduce_in_its_graph(ranks, data, 
         np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
         assert_every_rank(params, ref, ranks, f"{len(idx)} rows")
     assert train._sliced is None
-
-
-def test_cpu_mode_chain_packs_the_parameters_and_keeps_each_one_current(ranks, data, reference):
-    """In CPU mode (its own backend, no ``mode``) the step runs as the chain over ONE packed vector
-    of the parameters (:mod:`synkhronos.packing`): its update writes that vector, and each
-    parameter stays a view of it in every rank.  Every rank matches the numpy rule after each
-    step; a plain function reads the current parameters; values set from outside between steps
-    (one rank's ``set_value``, a ``broadcast`` to all) are the ones the next step starts from."""
-    from synkhronos.packing import is_packed, members
-
-    x, y = pt.matrix("x"), pt.ivector("y")
-    params = shared_params(initial_params())
-    train = make_train_function(loss_graph(x, y, params), params, [x, y], updates.adam, learning_rate=0.01)
-    assert not in_graph_all_reduce_pays()  # CPU mode's backend over several ranks: a call runs the chain
-    packed = [var for var, _ in train.step_fn._spec.updates if is_packed(var)]
-    assert len(packed) == 1 and [m for m, _, _ in members(packed[0])] == params
-    assert not set(params) & {var for var, _ in train.step_fn._spec.updates}  # one output for all of them
-    xv, yv, x_data, y_data = data
-    first_layer = synk.function([x], outputs=(x @ params[0] + params[1], "gather"))
-    ref, ref_rule = initial_params(), NumpyRule("adam", learning_rate=0.01)
-    for step, idx in enumerate(batches()):
-        if step == 2:  # from outside: one rank drifts, then a broadcast sets every rank
-            synk.set_value(ranks - 1, params[1], np.full(ref[1].shape, 7.0))
-            ref[0] = ref[0] * 0.5
-            synk.broadcast(params[0], ref[0])
-            ref[1] = np.asarray(synk.gather(params[1], nd_up=1))[0]
-            synk.broadcast(params[1], ref[1])
-        loss = train(x_data, y_data, batch=idx)
-        ref_loss, grads = reference(xv[idx], yv[idx], ref)
-        ref = ref_rule.step(ref, grads)
-        np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, err_msg=f"loss of step {step}")
-        assert_every_rank(params, ref, ranks, f"packed chain, step {step}")
-        np.testing.assert_allclose(first_layer(x_data, batch=slice(0, 6)), xv[:6] @ ref[0] + ref[1], rtol=RTOL)
-    assert np.shares_memory(params[0].get_value(borrow=True), packed[0].get_value(borrow=True))

@@ -302,7 +302,6 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
 
     import synkhronos as synk
     from synk_lasagne.layers.base import get_state_updates
-    from synkhronos.packing import views as packed_views
     from synkhronos.runtime import current
 
     inputs = list(inputs)
@@ -337,47 +336,11 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     function = synk.function(inputs, outputs=outs, updates=[*zip(targets, stepped), *state], **common)
 
     def build_sliced() -> tuple[Any, Any]:
-        flat_params = _packed_params(params)
-        if flat_params is None:
-            grad_fn = synk.function(inputs, outputs=outs, updates=[*result.grad_updates, *state], **common)
-            return grad_fn, synk.function([], updates=list(result.param_updates.items()), **fkw)
-        # the parameters as views of one vector: the update writes ONE output for all of them
-        views = packed_views(flat_params)
-        given = [*(_pairs(givens)), *views]
-        grad_fn = synk.function(inputs, outputs=outs, updates=[*result.grad_updates, *state],
-                                **{**common, "givens": given})
-        moved = result.param_updates
-        rule_state = [(var, value) for var, value in moved.items() if var not in set(params)]
-        stepped_flat = pt.concatenate([pt.flatten(moved[p]) for p in params])
-        step_fn = synk.function([], updates=[(flat_params, stepped_flat), *rule_state], givens=views, **fkw)
-        return grad_fn, step_fn
+        grad_fn = synk.function(inputs, outputs=outs, updates=[*result.grad_updates, *state], **common)
+        return grad_fn, synk.function([], updates=list(result.param_updates.items()), **fkw)
 
     return TrainFunction(function, result, params, ["loss", *names], inputs, sliceable, build_sliced,
                          own_mode=fkw.get("mode") is not None)
-
-
-def _pairs(givens: Any) -> list[tuple[Any, Any]]:
-    """``givens`` (None, a mapping or pairs) as a list of pairs."""
-    if givens is None:
-        return []
-    return list(givens.items()) if isinstance(givens, Mapping) else [tuple(g) for g in givens]
-
-
-def _packed_params(params: list[Any]) -> Any:
-    """The chain's parameters packed into one vector (:mod:`synkhronos.packing`), or None where
-    that does not pay or apply: GPUs and the JAX engine (their own step), parameters of several
-    dtypes.  In CPU mode the update then returns one array for every parameter instead of one
-    each (measured in ``benchmarks/RESULTS.md``, issue 18)."""
-    from synkhronos.runtime import current
-
-    rt = current()
-    if rt is None or rt.engine is not None or rt.device.use_gpu:
-        return None
-    if len({p.type.dtype for p in params}) != 1:
-        return None
-    from synkhronos.packing import pack
-
-    return pack(params, name="packed_params")
 
 
 class EvalFunction:

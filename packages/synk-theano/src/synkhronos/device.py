@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from synkhronos import packing
-
 if TYPE_CHECKING:
     from pytensor.compile.sharedvalue import SharedVariable
 
@@ -205,8 +203,5 @@ class CpuDevice(Device):
     def put_update(self, var: SharedVariable, value: Any) -> None:
         if not hasattr(var.type, "dtype"):  # a random generator: stored as it is
             var.set_value(value, borrow=True)
-            return
-        if packing.is_packed(var):  # into the buffer that its members view
-            packing.store(var, np.asarray(value, dtype=var.type.dtype))
             return
         var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)

@@ -453,7 +453,6 @@ class Function:
         values = [np.asarray(a) for a in args]
         named = {k: np.asarray(v) for k, v in kwargs.items()}
         fn = self._replica.full()
-        self._replica.sync_packed()
         fn.trust_input = False  # user values: let PyTensor check and convert them
         try:
             return fn(*values, **named)

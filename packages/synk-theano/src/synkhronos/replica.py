@@ -67,32 +67,6 @@ class Replica:
         return self._collectives
 
     @property
-    def packed(self) -> tuple[list[Any], list[Any]]:
-        """The packed vectors (:mod:`synkhronos.packing`) that the function reads, and those it
-        updates (found in its graph once)."""
-        found = self.__dict__.get("_packed")
-        if found is None:
-            from pytensor.graph.traversal import graph_inputs
-
-            from synkhronos.packing import is_packed
-
-            spec = self.spec
-            graph = [*spec.outputs, *(e for _, e in spec.updates), *(v for _, v in spec.givens)]
-            found = self.__dict__["_packed"] = ([v for v in graph_inputs(graph) if is_packed(v)],
-                                                [v for v, _ in spec.updates if is_packed(v)])
-        return found
-
-    def sync_packed(self) -> None:
-        """Before a call: each packed vector the function reads holds its members' current values
-        (:func:`synkhronos.packing.sync`)."""
-        reads, _ = self.packed
-        if reads:
-            from synkhronos.packing import sync
-
-            for flat in reads:
-                sync(flat)
-
-    @property
     def has_collectives(self) -> bool:
         """Whether a call of this function communicates from inside its graph: then every rank
         computes, even one without rows, in one slice."""
@@ -200,19 +174,12 @@ class Replica:
         """After PyTensor applied the updates itself (a one-pass call): where values are computed
         by JAX (GPU mode, CPU mode's JAX backend), each updated value in its variable's declared
         dtype (see :func:`_declared`).  Every rank must hold the same dtype, or NCCL would move a
-        different number of bytes in each.  An updated packed vector's value goes into its
-        buffer (:func:`synkhronos.packing.store`)."""
+        different number of bytes in each."""
         if self.device.computes_in_jax and "updates" not in self._exact:
             updated = [var for var, _ in self.spec.updates]
             values = [var.container.storage[0] for var in updated]
             for var, value in zip(updated, self._in_declared("updates", values, updated)):
                 var.container.storage[0] = value
-        _, writes = self.packed
-        if writes:  # a packed vector's new value into its buffer, which its members view
-            from synkhronos.packing import store
-
-            for flat in writes:
-                store(flat, flat.container.storage[0])
 
     def _in_declared(self, kind: Any, values: list[Any], variables: Sequence[Any]) -> list[Any]:
         """``values`` in their variables' declared dtypes (:func:`_declared`), checked until one
@@ -236,7 +203,6 @@ class Replica:
         (on a GPU: not waited for); :func:`synkhronos.calls.reply` brings them to the host.
         """
         spec = self.spec
-        self.sync_packed()
         if num_slices == 1 and sliceable_rows is None:
             outs = self.full(subset)(*scattered, *bcast)
             outs = self._in_declared(("outputs", subset), outs if isinstance(outs, list) else [outs],
