@@ -98,7 +98,8 @@ fi
 # main job (data-parallel against one process on both cores), RUNS rounds (default 3) of its
 # VARIANTS alternating: ';'-separated sets of flags (default: the defaults, then --keep-last-batch),
 # e.g. VARIANTS='--layers 8;--layers 12' (a leading ';': the defaults first); with BASE=<dir holding
-# another tree's packages/ and examples/> (carried), that tree's main job before each of ours
+# another tree's packages/ and examples/> (carried), that tree's main job before each of ours; CORES=a,b
+# takes those two cores instead of the first two physical ones
 if [ "$what" = cpu2 ]; then
   two=${CORES:-$(python3 -c "
 from synk_comm.cores import available, physical_core
