@@ -86,8 +86,9 @@ def install_packages(session: nox.Session, *extra: str) -> None:
 
 @nox.session(python=PYTHONS, venv_backend=CI_BACKEND)
 def tests(session: nox.Session) -> None:
-    """Every package's tests (CPU mode; GPU tests skip without 2 GPUs); on 3.12, the synkhronos suite
-    again in GPU mode (the JAX engine) on JAX's CPU devices."""
+    """Every package's tests (CPU mode; GPU tests skip without 2 GPUs), the whole-job tests (marker
+    ``job``) on :data:`ONE_PYTHON` only; on 3.12, the synkhronos suite again in GPU mode (the JAX
+    engine) on JAX's CPU devices."""
     # the digits data (MNIST job test); JAX, CPU mode's default backend and GPU mode's engine
     # (synk-theano[cpu])
     install_packages(session, f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]",
@@ -95,8 +96,11 @@ def tests(session: nox.Session) -> None:
     paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
     if (ROOT / "tests").exists():
         paths.append(str(ROOT / "tests"))
+    # The whole examples, demos and docs examples (marker ``job``, a third of a pass) run on one
+    # interpreter, the one of the README's demo; the other passes run every other test.
+    jobs = [] if session.python == ONE_PYTHON or session.posargs else ["-m", "not job"]
     # the slowest tests in every CI log, to see where CI's time goes
-    session.run("pytest", "--durations=20", *paths, *session.posargs, env={"PYTHONUNBUFFERED": "1"})
+    session.run("pytest", "--durations=20", *jobs, *paths, *session.posargs, env={"PYTHONUNBUFFERED": "1"})
     if session.python == "3.12" and not session.posargs:
         # GPU mode's code paths on JAX's CPU devices: the whole suite on the JAX engine (GPU mode's
         # engine), its workers joined by JAX's multi-process runtime, collectives over gloo -- what

@@ -16,7 +16,10 @@ is that; figures in ``benchmarks/RESULTS.md``, issue 18).
     parameter vector: the gradient function reads the parameters as views of it (``givens``),
     and the update function writes it as one output instead of one per parameter (4 outputs in
     all instead of 21).  Blocks of steps alternate; medians.  The prototype leaves the model's
-    own parameter variables stale: it measures the step, not a way to keep them current.
+    own parameter variables stale: it measures the step, not a way to keep them current.  With
+    ``SYNK_PROBE_NO_REDUCE=1`` a third step joins the turns: the same chain all-reducing a
+    one-element variable instead of the gradient (wrong maths; the bound of what a cheaper
+    all-reduce could save).
 
 Usage::
 
@@ -138,6 +141,11 @@ def packed(blocks: int) -> None:
             "packed (prototype)": synk.chain(grad_fn, all_reduce=rule.flat_grad, op="sum", then=step_fn,
                                              zeros_if_idle=True),
         }
+        if os.environ.get("SYNK_PROBE_NO_REDUCE"):  # what a free all-reduce would save (wrong maths)
+            tiny = pytensor.shared(np.zeros(1, dtype="float32"), name="tiny")
+            synk.function([], tiny * 2)  # the workers hold only the shared variables of functions
+            steps["tiny all-reduce (bound)"] = synk.chain(train.chain.first, all_reduce=tiny, op="sum",
+                                                          then=train.chain.then)
         x_data, y_data = synk.data(data.x_train), synk.data(data.y_train)
         synk.distribute()
         rng = np.random.default_rng(0)
@@ -157,8 +165,9 @@ def packed(blocks: int) -> None:
                 times[name].append(block(step))
         for name, values in times.items():
             print(f"{name:38s} step median {statistics.median(values):7.1f} us, min {min(values):7.1f}")
-        base, new = (statistics.median(v) for v in times.values())
-        print(f"packed / per parameter: {new / base:.3f}")
+        base, *others = (statistics.median(v) for v in times.values())
+        for name, value in zip(list(times)[1:], others):
+            print(f"{name} / per parameter: {value / base:.3f}")
     finally:
         synk.close()
 

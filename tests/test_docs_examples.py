@@ -245,6 +245,7 @@ def test_shell_blocks_name_real_sessions_and_paths():
 
 # --- every program --------------------------------------------------------------------------------
 
+@pytest.mark.job
 @pytest.mark.timeout(TIMEOUT + 30)
 @pytest.mark.parametrize("block", PROGRAMS, ids=[b.where for b in PROGRAMS])
 def test_example_runs(block, tmp_path):

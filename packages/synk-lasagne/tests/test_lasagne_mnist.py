@@ -128,6 +128,7 @@ def check_job(result, pid, png, ranks=2, baseline=True):
     return accuracy
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pattern", ["host", "scatter"])
 def test_main_job_runs(tmp_path, pattern):
@@ -160,6 +161,7 @@ def test_the_main_job_drops_the_last_smaller_batch_unless_told():
     assert not job.drops_last_batch(job.parse_args(["--batch-size", "2000"]), 1258)  # no whole batch: kept
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 def test_main_job_reaches_95_percent_on_the_digits(tmp_path):
     """The job's default run on its default data (scikit-learn's digits) and its default backend
@@ -174,6 +176,7 @@ def test_main_job_reaches_95_percent_on_the_digits(tmp_path):
     assert check_job(result, pid, png, ranks=3, baseline=False) >= 0.95
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pattern", ["host", "scatter"])
 def test_cnn_job_learns_on_the_digits(tmp_path, pattern):
@@ -194,6 +197,7 @@ def test_cnn_job_learns_on_the_digits(tmp_path, pattern):
     assert check_job(result, pid, png, baseline=False) >= 0.7
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 def test_cnn_job_in_gpu_mode_on_jax_cpu(tmp_path):
     """GPU mode's code path (every rank on PyTensor's JAX backend, the convolution and pooling Ops

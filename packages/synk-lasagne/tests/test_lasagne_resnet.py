@@ -23,6 +23,7 @@ def entries_of_pid(pid: int) -> list[str]:
     return sorted(e for e in os.listdir("/dev/shm") if f"-{pid}-" in e)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pattern", ["host", "scatter"])
 def test_resnet_demo_learns(tmp_path, pattern):
@@ -45,6 +46,7 @@ def test_resnet_demo_learns(tmp_path, pattern):
     assert entries_of_pid(pid) == [], "the demo left shared memory behind"
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 def test_bench_resnet_dry_run(tmp_path):
     """Every row of the benchmark on CPU (tiny network): the plain PyTensor function, synk with 1 and

@@ -29,6 +29,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.job
 @pytest.mark.cpu_only("the seed's examples fork in CPU mode (use_gpu=False): they test nothing of GPU mode")
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_example_runs_and_passes_its_assertions(name):
