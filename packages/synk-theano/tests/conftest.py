@@ -67,17 +67,46 @@ def ranks(request):
     assert not left, f"synk.close() left shared-memory objects of its group: {left}"
 
 
+_RUN_START_ENTRIES: list[set[str]] = []
+"""Our /dev/shm entries when the first synkhronos test started (set by :func:`synk_nothing_left`)."""
+
+
 @pytest.fixture(scope="session", autouse=True)
-def synk_nothing_left(request):
+def synk_nothing_left():
+    """Notes what of ours /dev/shm holds before the first synkhronos test; the check that the tests
+    left nothing runs in :func:`pytest_sessionfinish`."""
+    _RUN_START_ENTRIES.append(set(own_entries()))
+    yield
+
+
+def pytest_sessionfinish(session):
     """After the session: no synkhronos group open, no worker process, nothing of ours in /dev/shm
     that the synkhronos tests created (checked when every test passed: a failed test's traceback
-    may still hold its Data)."""
-    before = set(own_entries())
-    yield
+    may still hold its Data).
+
+    A hook, not the teardown of the session fixture: that teardown runs inside the last test's,
+    while pytest still holds that test's arguments (a module fixture's Data among them), which
+    pytest releases only after every fixture is torn down.  A failed check fails the run (exit
+    status 1) with its message.
+    """
+    if not _RUN_START_ENTRIES:  # no synkhronos test ran
+        return
     synk.close()
     gc.collect()
-    assert_no_workers_left()
-    if request.session.testsfailed:
-        return
-    left = sorted(set(own_entries()) - before)
-    assert not left, f"the synkhronos tests left shared-memory objects of their run: {left}"
+    problems = []
+    try:
+        assert_no_workers_left()
+    except AssertionError as exc:
+        problems.append(str(exc))
+    left = sorted(set(own_entries()) - _RUN_START_ENTRIES[0])
+    if left and not session.testsfailed:
+        problems.append(f"the synkhronos tests left shared-memory objects of their run: {left}")
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for problem in problems:
+            if reporter is None:
+                print(problem, file=sys.stderr)
+            else:
+                reporter.ensure_newline()
+                reporter.write_line(f"FAILED after the session: {problem}", red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
