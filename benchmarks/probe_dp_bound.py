@@ -1,0 +1,142 @@
+"""The most that data parallelism could give the main job's step on two cores: two independent
+processes (no communication at all), each on one core with half the batch, against the one process
+on both cores with the whole batch (diagnosis, not a benchmark of record: the main job's side-by-side
+speedup is that; figures in ``benchmarks/RESULTS.md``, issue 18).
+
+Every configuration trains the main job's model and step (``examples/mnist/train_mnist.py``'s
+defaults: the 8 x 64 MLP, Adam, float32, ``batch=`` indices of the digits' training rows) as the main
+job's single-process run does: ``synk.fork(1)`` and :func:`synk_lasagne.make_train_function`, in a
+fresh interpreter pinned to its cores.  Timed: the median step over blocks of steps, after a warm-up.
+
+``one process, 2 cores``
+    The main job's baseline: the whole batch, every core (JAX's threads spread over both).
+``one process, 1 core``
+    The whole batch on one core: what the second core gives the baseline.
+``2 independent processes``
+    One per core, half the batch each, started together and stepping at the same time, never
+    meeting: a data-parallel step without its plan, all-reduce, second call and replies.  The
+    ratio of the baseline to this is the bound of the main job's speedup on these cores.
+
+Usage::
+
+    python benchmarks/probe_dp_bound.py [--cores 0,1] [--steps 400] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def child(cores: list[int], batch: int, steps: int) -> None:
+    """Pinned to ``cores``: build the main job's step, warm up, say ready, wait for "go" on stdin,
+    step ``steps`` times, print the median step (s) over blocks of 20 as JSON."""
+    os.sched_setaffinity(0, set(cores))
+    sys.path.insert(0, os.path.join(ROOT, "examples", "mnist"))
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    pytensor.config.floatX = "float32"
+    import train_mnist as job
+
+    import synkhronos as synk
+    from synk_lasagne import make_train_function, mnist, updates
+
+    data = mnist.load(None, quiet=True).astype("float32")
+    synk.fork(1)
+    try:
+        params, forward = job.build_mlp(data.x_train.shape[1], 64, 8, data.n_classes, 0)
+        x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
+        train = make_train_function(job.cross_entropy(forward(x), y), params, [x, y], updates.adam,
+                                    learning_rate=3e-3)
+        xd, yd = synk.data(data.x_train), synk.data(data.y_train)
+        synk.distribute()
+        rng = np.random.default_rng(0)
+        n = len(data.x_train)
+        batches = [rng.permutation(n)[:batch] for _ in range(64)]
+        for i in range(60):
+            float(train(xd, yd, batch=batches[i % 64]))
+        print("ready", flush=True)
+        sys.stdin.readline()
+        blocks, block = [], 20
+        for b in range(steps // block):
+            t0 = time.perf_counter()
+            for i in range(block):
+                float(train(xd, yd, batch=batches[(b * block + i) % 64]))
+            blocks.append((time.perf_counter() - t0) / block)
+        print(json.dumps({"step_s": statistics.median(blocks)}), flush=True)
+    finally:
+        synk.close()
+
+
+def run_together(configs: list[tuple[list[int], int]], steps: int) -> list[float]:
+    """Start one child per ``(cores, batch)``, let them all go at once; their median steps (s)."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", ",".join(map(str, cores)), str(batch),
+                               str(steps)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for cores, batch in configs]
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"a child did not start: {line!r}")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=600)
+        if p.returncode:
+            raise RuntimeError(f"a child failed ({p.returncode})")
+        out.append(json.loads(stdout.strip().splitlines()[-1])["step_s"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cores", default=None, help="two cores (default: the first two physical cores)")
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if args.cores:
+        a, b = (int(c) for c in args.cores.split(","))
+    else:
+        from synk_comm.cores import available, physical_core
+
+        first: dict[Any, int] = {}
+        for c in available():
+            first.setdefault(physical_core(c), c)
+        a, b = list(first.values())[:2]
+    full, half = args.batch_size, args.batch_size // 2
+    rows: dict[str, list[float]] = {"one process, 2 cores": [], "one process, 1 core": [],
+                                    "2 independent processes (slower of the two)": []}
+    for _ in range(args.rounds):  # the configurations take turns, so that each meets the host's states
+        rows["one process, 2 cores"] += run_together([([a, b], full)], args.steps)
+        rows["one process, 1 core"] += run_together([([a], full)], args.steps)
+        rows["2 independent processes (slower of the two)"].append(
+            max(run_together([([a], half), ([b], half)], args.steps)))
+    print(f"cores {a},{b}; batch {full}; ms per step, median over rounds (each round's figure)")
+    for name, values in rows.items():
+        print(f"  {name:45s} {statistics.median(values) * 1e3:7.3f}  ({', '.join(f'{v * 1e3:.3f}' for v in values)})")
+    base, bound = statistics.median(rows["one process, 2 cores"]), statistics.median(
+        rows["2 independent processes (slower of the two)"])
+    print(f"bound of the data-parallel speedup on these cores: {base / bound:.2f}x "
+          f"(the second core gives one process {statistics.median(rows['one process, 1 core']) / base:.2f}x)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child([int(c) for c in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        main()
