@@ -6,7 +6,9 @@ speedup is that; figures in ``benchmarks/RESULTS.md``, issue 18).
 Every configuration trains the main job's model and step (``examples/mnist/train_mnist.py``'s
 defaults: the 8 x 64 MLP, Adam, float32, ``batch=`` indices of the digits' training rows) as the main
 job's single-process run does: ``synk.fork(1)`` and :func:`synk_lasagne.make_train_function`, in a
-fresh interpreter pinned to its cores.  Timed: the median step over blocks of steps, after a warm-up.
+fresh interpreter pinned to its cores.  Timed after a warm-up, two ways: back to back (the median
+step over blocks of 20) and as in the main job (``--as-the-job``: the validation call between two
+steps, as the trainer's epochs of one step each run them; the median of the steps alone).
 
 ``one process, 2 cores``
     The main job's baseline: the whole batch, every core (JAX's threads spread over both).
@@ -19,7 +21,7 @@ fresh interpreter pinned to its cores.  Timed: the median step over blocks of st
 
 Usage::
 
-    python benchmarks/probe_dp_bound.py [--cores 0,1] [--steps 400] [--rounds 3]
+    python benchmarks/probe_dp_bound.py [--cores 0,1] [--steps 400] [--rounds 3] [--as-the-job]
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def child(cores: list[int], batch: int, steps: int) -> None:
+def child(cores: list[int], batch: int, steps: int, as_the_job: bool) -> None:
     """Pinned to ``cores``: build the main job's step, warm up, say ready, wait for "go" on stdin,
-    step ``steps`` times, print the median step (s) over blocks of 20 as JSON."""
+    step ``steps`` times, print the median step (s) as JSON: over blocks of 20 back-to-back steps,
+    or ``as_the_job``, over steps each after a validation call (untimed)."""
     os.sched_setaffinity(0, set(cores))
     sys.path.insert(0, os.path.join(ROOT, "examples", "mnist"))
     import numpy as np
@@ -50,7 +53,7 @@ def child(cores: list[int], batch: int, steps: int) -> None:
     import train_mnist as job
 
     import synkhronos as synk
-    from synk_lasagne import make_train_function, mnist, updates
+    from synk_lasagne import make_eval_function, make_train_function, mnist, updates
 
     data = mnist.load(None, quiet=True).astype("float32")
     synk.fork(1)
@@ -59,7 +62,9 @@ def child(cores: list[int], batch: int, steps: int) -> None:
         x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
         train = make_train_function(job.cross_entropy(forward(x), y), params, [x, y], updates.adam,
                                     learning_rate=3e-3)
+        evaluate = make_eval_function({"loss": job.cross_entropy(forward(x), y)}, [x, y])
         xd, yd = synk.data(data.x_train), synk.data(data.y_train)
+        valid = (synk.data(data.x_valid), synk.data(data.y_valid))
         synk.distribute()
         rng = np.random.default_rng(0)
         n = len(data.x_train)
@@ -68,21 +73,24 @@ def child(cores: list[int], batch: int, steps: int) -> None:
             float(train(xd, yd, batch=batches[i % 64]))
         print("ready", flush=True)
         sys.stdin.readline()
-        blocks, block = [], 20
+        times, block = [], 1 if as_the_job else 20
         for b in range(steps // block):
+            if as_the_job:
+                evaluate(*valid, num_slices=2)
             t0 = time.perf_counter()
             for i in range(block):
                 float(train(xd, yd, batch=batches[(b * block + i) % 64]))
-            blocks.append((time.perf_counter() - t0) / block)
-        print(json.dumps({"step_s": statistics.median(blocks)}), flush=True)
+            times.append((time.perf_counter() - t0) / block)
+        print(json.dumps({"step_s": statistics.median(times)}), flush=True)
     finally:
         synk.close()
 
 
-def run_together(configs: list[tuple[list[int], int]], steps: int) -> list[float]:
+def run_together(configs: list[tuple[list[int], int]], steps: int, as_the_job: bool) -> list[float]:
     """Start one child per ``(cores, batch)``, let them all go at once; their median steps (s)."""
     procs = [subprocess.Popen([sys.executable, __file__, "--child", ",".join(map(str, cores)), str(batch),
-                               str(steps)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                               str(steps), str(int(as_the_job))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
              for cores, batch in configs]
     for p in procs:
         assert p.stdout is not None
@@ -108,6 +116,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--as-the-job", action="store_true",
+                        help="a validation call before each step, as the main job's epochs of one step")
     args = parser.parse_args()
     if args.cores:
         a, b = (int(c) for c in args.cores.split(","))
@@ -122,11 +132,12 @@ def main() -> None:
     rows: dict[str, list[float]] = {"one process, 2 cores": [], "one process, 1 core": [],
                                     "2 independent processes (slower of the two)": []}
     for _ in range(args.rounds):  # the configurations take turns, so that each meets the host's states
-        rows["one process, 2 cores"] += run_together([([a, b], full)], args.steps)
-        rows["one process, 1 core"] += run_together([([a], full)], args.steps)
+        rows["one process, 2 cores"] += run_together([([a, b], full)], args.steps, args.as_the_job)
+        rows["one process, 1 core"] += run_together([([a], full)], args.steps, args.as_the_job)
         rows["2 independent processes (slower of the two)"].append(
-            max(run_together([([a], half), ([b], half)], args.steps)))
-    print(f"cores {a},{b}; batch {full}; ms per step, median over rounds (each round's figure)")
+            max(run_together([([a], half), ([b], half)], args.steps, args.as_the_job)))
+    how = "each step after a validation call" if args.as_the_job else "back to back"
+    print(f"cores {a},{b}; batch {full}; steps {how}; ms per step, median over rounds (each round's figure)")
     for name, values in rows.items():
         print(f"  {name:45s} {statistics.median(values) * 1e3:7.3f}  ({', '.join(f'{v * 1e3:.3f}' for v in values)})")
     base, bound = statistics.median(rows["one process, 2 cores"]), statistics.median(
@@ -137,6 +148,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child([int(c) for c in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4]))
+        child([int(c) for c in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1")
     else:
         main()
