@@ -1,4 +1,5 @@
-"""What machine a benchmark ran on, for the header line of its figures."""
+"""What machine a benchmark ran on, for the header line of its figures, and which of its cores a
+benchmark of a few cores takes."""
 
 from __future__ import annotations
 
@@ -15,3 +16,14 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def physical_cores(n: int) -> list[int]:
+    """The first logical CPU of each of the first ``n`` physical cores this process may run on: ``n``
+    cores of which no two are one core's hyperthreads."""
+    from synk_comm.cores import available, physical_core
+
+    first: dict[tuple[int, int], int] = {}
+    for cpu in available():
+        first.setdefault(physical_core(cpu), cpu)
+    return list(first.values())[:n]

@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -122,12 +121,9 @@ def main() -> None:
     if args.cores:
         a, b = (int(c) for c in args.cores.split(","))
     else:
-        from synk_comm.cores import available, physical_core
+        from machine import physical_cores
 
-        first: dict[Any, int] = {}
-        for c in available():
-            first.setdefault(physical_core(c), c)
-        a, b = list(first.values())[:2]
+        a, b = physical_cores(2)
     full, half = args.batch_size, args.batch_size // 2
     rows: dict[str, list[float]] = {"one process, 2 cores": [], "one process, 1 core": [],
                                     "2 independent processes (slower of the two)": []}

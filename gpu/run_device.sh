@@ -101,12 +101,7 @@ fi
 # another tree's packages/ and examples/> (carried), that tree's main job before each of ours; CORES=a,b
 # takes those two cores instead of the first two physical ones
 if [ "$what" = cpu2 ]; then
-  two=${CORES:-$(python3 -c "
-from synk_comm.cores import available, physical_core
-first = {}  # each physical core's first logical CPU
-for c in available():
-    first.setdefault(physical_core(c), c)
-print(','.join(map(str, list(first.values())[:2])))")}
+  two=${CORES:-$(cd benchmarks && python3 -c "from machine import physical_cores; print(','.join(map(str, physical_cores(2))))")}
   echo "cores $two; cpu0's hyperthreads: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list)"
   if [ "${TINY:-1}" != 0 ]; then
     for i in 1 2; do
