@@ -18,7 +18,9 @@ turns round by round; every step timed on its own (``jax.block_until_ready``):
     The same with the chain's shape: a gradient call, then a program of the all-reduce and the
     update (the second call that Synkhronos's CPU chain makes).
 ``2 independent processes``
-    Half the batch each and no all-reduce: the bound.  Its second figure pairs the two processes'
+    Half the batch each and no all-reduce: the bound.  The same independent processes also run
+    the two coupled configurations' code, each process a group of one (its all-reduce a copy):
+    what the custom call and the second call cost without a peer to meet.  Its second figure pairs the two processes'
     i-th steps and takes the slower of each pair: what the same steps would cost in lock-step if
     every step's time were drawn independently of the other rank's (the tax of waiting for the
     slower rank each step).
@@ -31,6 +33,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import itertools
 import json
@@ -47,7 +50,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CAPACITY = 1 << 20
 """Bytes of each rank's buffers in the shared segment (the flat gradient: 134 KB)."""
 MODES = {"one": "one process, 2 cores", "fused": "2 ranks, one program each",
-         "two": "2 ranks, two calls each", "indep": "2 independent processes"}
+         "two": "2 ranks, two calls each", "indep": "2 independent processes",
+         "fused1": "2 independent processes, fused's program", "two1": "2 independent processes, two calls"}
+"""The configurations; ``fused1`` and ``two1`` run ``fused``'s and ``two``'s code in independent
+processes (each a group of one: the all-reduce a copy), which parts the coupling from the calls."""
 
 
 def build_handler(directory: str) -> str:
@@ -104,20 +110,22 @@ def child(mode: str, cores: list[int], rank: int, size: int, rows: int, steps: i
         return out, m, v
 
     def all_reduce(flat: Any) -> Any:
-        return jax.ffi.ffi_call("synk_probe_all_reduce_sum", jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-                                has_side_effect=True)(flat, base=np.int64(base), rank=np.int64(rank),
-                                                      size=np.int64(size), capacity=np.int64(CAPACITY),
-                                                      spin=np.int64(spin))
+        # Without has_side_effect: with it, JAX orders the program's effects and every call of it
+        # costs 120-190 us more (a no-op handler, the development VM); the result is used, so XLA
+        # keeps the call, and a program holds one all-reduce, so none can be merged with another
+        call = jax.ffi.ffi_call("synk_probe_all_reduce_sum", jax.ShapeDtypeStruct(flat.shape, flat.dtype))
+        return call(flat, base=np.int64(base), rank=np.int64(rank), size=np.int64(size),
+                    capacity=np.int64(CAPACITY), spin=np.int64(spin))
 
     base = 0
-    if mode in ("fused", "two"):
+    if mode in ("fused", "two", "fused1", "two1"):
         handler = ctypes.cdll.LoadLibrary(library).SynkProbeAllReduceSum
         jax.ffi.register_ffi_target("synk_probe_all_reduce_sum", jax.ffi.pycapsule(handler), platform="cpu")
         with open(segment, "r+b") as f:
             mapped = mmap.mmap(f.fileno(), 0)
         base = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
 
-    if mode == "two":
+    if mode in ("two", "two1"):
         gradient = jax.jit(flat_gradient)
         reduce_and_update = jax.jit(lambda ps, m, v, flat: adam(ps, m, v, all_reduce(flat)))
 
@@ -126,7 +134,7 @@ def child(mode: str, cores: list[int], rank: int, size: int, rows: int, steps: i
             float(value)  # the chain's first call returns its outputs
             return (*reduce_and_update(ps, m, v, flat), value)
     else:
-        reduce = all_reduce if mode == "fused" else (lambda flat: flat)
+        reduce = all_reduce if mode in ("fused", "fused1") else (lambda flat: flat)
 
         @jax.jit
         def step(ps: list[Any], m: Any, v: Any, x: Any, y: Any) -> tuple[Any, ...]:
@@ -152,13 +160,19 @@ def child(mode: str, cores: list[int], rank: int, size: int, rows: int, steps: i
 
 def run_together(mode: str, coresets: list[list[int]], rows: int, steps: int, library: str,
                  spin: int) -> list[dict[str, Any]]:
-    """One child per core set, all let go at once: their results."""
-    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="synk_probe_") as segment:
-        segment.truncate(2 * 4096 + 2 * len(coresets) * CAPACITY)
-        procs = [subprocess.Popen([sys.executable, __file__, "--child", mode, ",".join(map(str, cores)), str(rank),
-                                   str(len(coresets)), str(rows), str(steps), segment.name, library, str(spin)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                 for rank, cores in enumerate(coresets)]
+    """One child per core set, all let go at once: their results.  Modes ending in 1: each child a
+    group of one, with a segment of its own."""
+    alone = mode.endswith("1")
+    groups = [[cores] for cores in coresets] if alone else [coresets]
+    with contextlib.ExitStack() as stack:
+        procs = []
+        for group in groups:
+            segment = stack.enter_context(tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="synk_probe_"))
+            segment.truncate(2 * 4096 + 2 * len(group) * CAPACITY)
+            procs += [subprocess.Popen([sys.executable, __file__, "--child", mode, ",".join(map(str, cores)),
+                                        str(rank), str(len(group)), str(rows), str(steps), segment.name, library,
+                                        str(spin)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for rank, cores in enumerate(group)]
         for p in procs:
             assert p.stdout is not None
             line = p.stdout.readline().strip()
@@ -209,9 +223,11 @@ def main() -> None:
     base = statistics.median(rows[MODES["one"]])
     print(f"cores {a},{b}; batch {args.batch_size}; {args.steps} steps a run; ms per step, median over rounds "
           "(each round's median step); speedup over one process")
-    for name, values in [*rows.items(), ("  the same steps paired, the slower of each pair", paired)]:
+    named = list(rows.items())
+    named.insert(list(MODES).index("indep") + 1, ("  the same steps paired, the slower of each pair", paired))
+    for name, values in named:
         med = statistics.median(values)
-        print(f"  {name:50s} {med * 1e3:7.3f}  ({', '.join(f'{v * 1e3:.3f}' for v in values)})  {base / med:.2f}x")
+        print(f"  {name:52s} {med * 1e3:7.3f}  ({', '.join(f'{v * 1e3:.3f}' for v in values)})  {base / med:.2f}x")
 
 
 if __name__ == "__main__":
