@@ -158,37 +158,22 @@ def child(mode: str, cores: list[int], rank: int, size: int, rows: int, steps: i
     print(json.dumps({"times": times, "checksum": float(sum(float(jnp.sum(p)) for p in params))}), flush=True)
 
 
-def run_together(mode: str, coresets: list[list[int]], rows: int, steps: int, library: str,
-                 spin: int) -> list[dict[str, Any]]:
+def run_mode(mode: str, coresets: list[list[int]], rows: int, steps: int, library: str,
+             spin: int) -> list[dict[str, Any]]:
     """One child per core set, all let go at once: their results.  Modes ending in 1: each child a
     group of one, with a segment of its own."""
-    alone = mode.endswith("1")
-    groups = [[cores] for cores in coresets] if alone else [coresets]
+    from together import run_together
+
+    groups = [[cores] for cores in coresets] if mode.endswith("1") else [coresets]
     with contextlib.ExitStack() as stack:
-        procs = []
+        commands = []
         for group in groups:
             segment = stack.enter_context(tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="synk_probe_"))
             segment.truncate(2 * 4096 + 2 * len(group) * CAPACITY)
-            procs += [subprocess.Popen([sys.executable, __file__, "--child", mode, ",".join(map(str, cores)),
-                                        str(rank), str(len(group)), str(rows), str(steps), segment.name, library,
-                                        str(spin)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                      for rank, cores in enumerate(group)]
-        for p in procs:
-            assert p.stdout is not None
-            line = p.stdout.readline().strip()
-            if line != "ready":
-                raise RuntimeError(f"a child of {mode!r} did not start: {line!r}")
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        results = []
-        for p in procs:
-            stdout, _ = p.communicate(timeout=600)
-            if p.returncode:
-                raise RuntimeError(f"a child of {mode!r} failed ({p.returncode})")
-            results.append(json.loads(stdout.strip().splitlines()[-1]))
-        return results
+            commands += [[sys.executable, __file__, "--child", mode, ",".join(map(str, cores)), str(rank),
+                          str(len(group)), str(rows), str(steps), segment.name, library, str(spin)]
+                         for rank, cores in enumerate(group)]
+        return run_together(commands)
 
 
 def main() -> None:
@@ -213,7 +198,7 @@ def main() -> None:
             for mode, name in MODES.items():
                 sets = [[a, b]] if mode == "one" else [[a], [b]]
                 rows_each = args.batch_size // len(sets)
-                out = run_together(mode, sets, rows_each, args.steps, library, args.spin)
+                out = run_mode(mode, sets, rows_each, args.steps, library, args.spin)
                 rows[name].append(max(statistics.median(o["times"]) for o in out))
                 if mode in ("fused", "two") and abs(out[0]["checksum"] - out[1]["checksum"]) > 1e-6:
                     raise RuntimeError(f"{name}: the ranks' parameters differ ({out[0]['checksum']} and "

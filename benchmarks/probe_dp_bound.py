@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -85,28 +84,13 @@ def child(cores: list[int], batch: int, steps: int, as_the_job: bool) -> None:
         synk.close()
 
 
-def run_together(configs: list[tuple[list[int], int]], steps: int, as_the_job: bool) -> list[float]:
+def run_configs(configs: list[tuple[list[int], int]], steps: int, as_the_job: bool) -> list[float]:
     """Start one child per ``(cores, batch)``, let them all go at once; their median steps (s)."""
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", ",".join(map(str, cores)), str(batch),
-                               str(steps), str(int(as_the_job))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
-             for cores, batch in configs]
-    for p in procs:
-        assert p.stdout is not None
-        line = p.stdout.readline().strip()
-        if line != "ready":
-            raise RuntimeError(f"a child did not start: {line!r}")
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    out = []
-    for p in procs:
-        stdout, _ = p.communicate(timeout=600)
-        if p.returncode:
-            raise RuntimeError(f"a child failed ({p.returncode})")
-        out.append(json.loads(stdout.strip().splitlines()[-1])["step_s"])
-    return out
+    from together import run_together
+
+    return [r["step_s"] for r in run_together([[sys.executable, __file__, "--child", ",".join(map(str, cores)),
+                                                 str(batch), str(steps), str(int(as_the_job))]
+                                                for cores, batch in configs])]
 
 
 def main() -> None:
@@ -128,10 +112,10 @@ def main() -> None:
     rows: dict[str, list[float]] = {"one process, 2 cores": [], "one process, 1 core": [],
                                     "2 independent processes (slower of the two)": []}
     for _ in range(args.rounds):  # the configurations take turns, so that each meets the host's states
-        rows["one process, 2 cores"] += run_together([([a, b], full)], args.steps, args.as_the_job)
-        rows["one process, 1 core"] += run_together([([a], full)], args.steps, args.as_the_job)
+        rows["one process, 2 cores"] += run_configs([([a, b], full)], args.steps, args.as_the_job)
+        rows["one process, 1 core"] += run_configs([([a], full)], args.steps, args.as_the_job)
         rows["2 independent processes (slower of the two)"].append(
-            max(run_together([([a], half), ([b], half)], args.steps, args.as_the_job)))
+            max(run_configs([([a], half), ([b], half)], args.steps, args.as_the_job)))
     how = "each step after a validation call" if args.as_the_job else "back to back"
     print(f"cores {a},{b}; batch {full}; steps {how}; ms per step, median over rounds (each round's figure)")
     for name, values in rows.items():
