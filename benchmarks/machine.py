@@ -27,3 +27,18 @@ def physical_cores(n: int) -> list[int]:
     for cpu in available():
         first.setdefault(physical_core(cpu), cpu)
     return list(first.values())[:n]
+
+
+def two_cores(spec: str | None) -> tuple[int, int]:
+    """The two cores of a two-core probe: ``spec`` as ``"a,b"``, or without it the first two
+    physical cores (:func:`physical_cores`).
+
+    Raises
+    ------
+    ValueError
+        If ``spec`` does not name two cores, or this process may run on fewer than two cores.
+    """
+    cores = [int(c) for c in spec.split(",")] if spec else physical_cores(2)
+    if len(cores) != 2:
+        raise ValueError(f"a two-core probe needs two cores, got {cores} (--cores a,b)")
+    return cores[0], cores[1]

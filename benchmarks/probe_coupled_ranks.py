@@ -184,12 +184,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--spin", type=int, default=20000, help="pauses a wait spins before yielding its core")
     args = parser.parse_args()
-    if args.cores:
-        a, b = (int(c) for c in args.cores.split(","))
-    else:
-        from machine import physical_cores
+    from machine import two_cores
 
-        a, b = physical_cores(2)
+    a, b = two_cores(args.cores)
     rows: dict[str, list[float]] = {name: [] for name in MODES.values()}
     paired: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -102,12 +102,9 @@ def main() -> None:
     parser.add_argument("--as-the-job", action="store_true",
                         help="a validation call before each step, as the main job's epochs of one step")
     args = parser.parse_args()
-    if args.cores:
-        a, b = (int(c) for c in args.cores.split(","))
-    else:
-        from machine import physical_cores
+    from machine import two_cores
 
-        a, b = physical_cores(2)
+    a, b = two_cores(args.cores)
     full, half = args.batch_size, args.batch_size // 2
     rows: dict[str, list[float]] = {"one process, 2 cores": [], "one process, 1 core": [],
                                     "2 independent processes (slower of the two)": []}
