@@ -18,12 +18,12 @@ turns round by round; every step timed on its own (``jax.block_until_ready``):
     The same with the chain's shape: a gradient call, then a program of the all-reduce and the
     update (the second call that Synkhronos's CPU chain makes).
 ``2 independent processes``
-    Half the batch each and no all-reduce: the bound.  The same independent processes also run
-    the two coupled configurations' code, each process a group of one (its all-reduce a copy):
-    what the custom call and the second call cost without a peer to meet.  Its second figure pairs the two processes'
+    Half the batch each and no all-reduce: the bound.  Its second figure pairs the two processes'
     i-th steps and takes the slower of each pair: what the same steps would cost in lock-step if
     every step's time were drawn independently of the other rank's (the tax of waiting for the
-    slower rank each step).
+    slower rank each step).  The same independent processes also run the two coupled
+    configurations' code, each process a group of one (its all-reduce a copy): what the custom
+    call and the second call cost without a peer to meet.
 
 Usage::
 
@@ -111,7 +111,7 @@ def child(mode: str, cores: list[int], rank: int, size: int, rows: int, steps: i
 
     def all_reduce(flat: Any) -> Any:
         # Without has_side_effect: with it, JAX orders the program's effects and every call of it
-        # costs 120-190 us more (a no-op handler, the development VM); the result is used, so XLA
+        # costs 60-190 us more (a no-op handler; RESULTS.md, session 18); the result is used, so XLA
         # keeps the call, and a program holds one all-reduce, so none can be merged with another
         call = jax.ffi.ffi_call("synk_probe_all_reduce_sum", jax.ShapeDtypeStruct(flat.shape, flat.dtype))
         return call(flat, base=np.int64(base), rank=np.int64(rank), size=np.int64(size),
@@ -177,11 +177,10 @@ def run_mode(mode: str, coresets: list[list[int]], rows: int, steps: int, librar
 
 
 def main() -> None:
+    from together import add_probe_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cores", default=None, help="two cores (default: the first two physical cores)")
-    parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_probe_arguments(parser)
     parser.add_argument("--spin", type=int, default=20000, help="pauses a wait spins before yielding its core")
     args = parser.parse_args()
     from machine import two_cores

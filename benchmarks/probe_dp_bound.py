@@ -94,11 +94,10 @@ def run_configs(configs: list[tuple[list[int], int]], steps: int, as_the_job: bo
 
 
 def main() -> None:
+    from together import add_probe_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cores", default=None, help="two cores (default: the first two physical cores)")
-    parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_probe_arguments(parser)
     parser.add_argument("--as-the-job", action="store_true",
                         help="a validation call before each step, as the main job's epochs of one step")
     args = parser.parse_args()

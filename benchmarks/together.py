@@ -1,11 +1,22 @@
 """Processes that a benchmark lets go at the same moment: each warms up on its own, then all
-start their timed work together (probes of several independent or coupled processes)."""
+start their timed work together (probes of several independent or coupled processes), and the
+options those probes share."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 from typing import Any
+
+
+def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that every two-core probe of the main job's step takes: ``--cores``,
+    ``--batch-size``, ``--steps``, ``--rounds`` (with :func:`machine.two_cores` for ``--cores``)."""
+    parser.add_argument("--cores", default=None, help="two cores (default: the first two physical cores)")
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=3)
 
 
 def run_together(commands: list[list[str]], timeout: float = 600) -> list[dict[str, Any]]:
