@@ -254,3 +254,28 @@ def big_all_reduce_loop(group: synk_comm.Group, payload: Any) -> None:
     out = np.empty_like(x)
     for _ in range(int(payload["calls"])):
         group.all_reduce(x, "sum", out=out)
+
+
+# --- synk_comm.xla_cpu ----------------------------------------------------------------------------
+
+
+def xla_cpu_all_reduce(group: synk_comm.Group, name: str, capacity: int, cases: list[dict[str, Any]]) -> list[Any]:
+    """Every case (``op``, ``dtype``, ``shape``, ``seed``, per-rank ``weights``) as
+    :func:`synk_comm.xla_cpu.all_reduce` inside a jitted program, in order: this rank's results."""
+    import jax
+
+    from synk_comm import xla_cpu
+
+    jax.config.update("jax_enable_x64", True)
+    assert xla_cpu.available()
+    segment = xla_cpu.Segment.attach(name, group.size, capacity)
+    try:
+        out = []
+        for case in cases:
+            segment.set_weight(group.rank, case["weights"][group.rank])
+            x = make_input(case["dtype"], tuple(case["shape"]), case["seed"], group.rank)
+            step = jax.jit(lambda v, op=case["op"]: xla_cpu.all_reduce(v * 1, op, segment, group.rank, group.size))
+            out.append(np.asarray(step(x)))
+        return out
+    finally:
+        segment.close()

@@ -1,0 +1,123 @@
+"""synk_comm.xla_cpu: the all-reduce inside a compiled JAX program, against numpy, over real
+processes; its waits end on the group's abort word and on a peer's death (no hang)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from comm_handlers import make_input, xla_cpu_all_reduce
+
+import synk_comm
+
+jax = pytest.importorskip("jax")
+if shutil.which("c++") is None:
+    pytest.skip("no C++ compiler: synk_comm.xla_cpu is not available", allow_module_level=True)
+
+from synk_comm import xla_cpu  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+UFUNC = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def expected(case: dict, size: int) -> np.ndarray:
+    """numpy's reduction of the active ranks' inputs in rank order (weights: 0 = left out)."""
+    inputs = [make_input(case["dtype"], tuple(case["shape"]), case["seed"], r) for r in range(size)]
+    weights = case["weights"]
+    active = [(w, x) for w, x in zip(weights, inputs) if w != 0]
+    if case["op"] == "avg":
+        if not active:
+            return np.full(case["shape"], np.nan, dtype=case["dtype"])
+        total = sum(w for w, _ in active)
+        acc = sum(x * np.asarray(w, dtype=case["dtype"]) for w, x in active)
+        return (acc * np.asarray(1.0 / total, dtype=case["dtype"])).astype(case["dtype"])
+    out = active[0][1].copy()
+    for _, x in active[1:]:
+        out = UFUNC[case["op"]](out, x)
+    return out
+
+
+def cases(size: int) -> list[dict]:
+    some_idle = [0.0 if r == 1 else float(r + 1) for r in range(size)]
+    out = []
+    for op in ("sum", "prod", "max", "min"):
+        for dtype in ("float32", "float64", "int32", "int64"):
+            out.append({"op": op, "dtype": dtype, "shape": [5, 7], "seed": len(out), "weights": [1.0] * size})
+    for dtype in ("float32", "float64"):
+        out.append({"op": "avg", "dtype": dtype, "shape": [33], "seed": 50, "weights": [r + 1.0 for r in range(size)]})
+        out.append({"op": "avg", "dtype": dtype, "shape": [33], "seed": 51, "weights": some_idle})
+    out.append({"op": "sum", "dtype": "float64", "shape": [4], "seed": 60, "weights": some_idle})
+    out.append({"op": "max", "dtype": "float32", "shape": [3000], "seed": 61, "weights": [1.0] * size})  # chunks
+    out.append({"op": "sum", "dtype": "float32", "shape": [0], "seed": 62, "weights": [1.0] * size})
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_all_reduce_in_a_program_matches_numpy(size: int) -> None:
+    capacity = 1024  # bytes: the 3000-value case takes 12 exchanges
+    segment = xla_cpu.Segment.create(size, capacity)
+    try:
+        todo = cases(size)
+        results = synk_comm.spawn(xla_cpu_all_reduce, size, args=(segment.name, capacity, todo),
+                                  imports=["comm_handlers"])
+    finally:
+        segment.close()
+    for case, *per_rank in zip(todo, *results):
+        want = expected(case, size)
+        for got in per_rank:
+            assert got.dtype == np.dtype(case["dtype"]) and got.shape == tuple(case["shape"]), case
+            if case["op"] == "avg" or np.dtype(case["dtype"]).kind == "f":
+                np.testing.assert_allclose(got, want, rtol=1e-6 if case["dtype"] == "float32" else 1e-12,
+                                           err_msg=str(case))
+            else:
+                np.testing.assert_array_equal(got, want, err_msg=str(case))
+
+
+def alone_in(size: int) -> xla_cpu.Segment:
+    """A segment for ``size`` ranks, rank 0's weight set: rank 0 alone, the others never coming."""
+    assert xla_cpu.available()
+    segment = xla_cpu.Segment.create(size, 256)
+    segment.set_weight(0, 1.0)
+    return segment
+
+
+def test_a_wait_ends_when_the_group_aborts() -> None:
+    abort = np.zeros(1, dtype=np.int64)
+    segment = alone_in(2)
+    segment.set_weight(1, 1.0)  # rank 1 "alive" (this process), but it never posts
+    try:
+        abort[0] = 1
+        step = jax.jit(lambda v: xla_cpu.all_reduce(v, "sum", segment, 0, 2, abort_address=abort.ctypes.data))
+        with pytest.raises(Exception, match="another rank failed"):
+            np.asarray(step(np.ones(3, dtype=np.float32)))
+    finally:
+        segment.close()
+
+
+def test_a_wait_ends_when_a_peer_is_gone() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    segment = alone_in(2)
+    try:
+        segment._rows[1, 1:2].view(np.int64)[0] = gone.pid  # rank 1: a process that has exited
+        step = jax.jit(lambda v: xla_cpu.all_reduce(v, "sum", segment, 0, 2))
+        with pytest.raises(Exception, match=f"rank 1 \\(process {gone.pid}\\) is gone"):
+            np.asarray(step(np.ones(3, dtype=np.float32)))
+    finally:
+        segment.close()
+
+
+def test_bad_arguments_say_what_to_do() -> None:
+    with pytest.raises(ValueError, match="1 to 64 ranks"):
+        xla_cpu.Segment.create(65)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        xla_cpu.Segment.create(2, 100)
+    segment = xla_cpu.Segment.create(2, 256)
+    try:
+        with pytest.raises(ValueError, match="op must be one of"):
+            xla_cpu.all_reduce(jax.numpy.ones(2), "mean", segment, 0, 2)
+    finally:
+        segment.close()
