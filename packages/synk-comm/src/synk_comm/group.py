@@ -187,6 +187,17 @@ class Group:
         if self._closed:
             raise GroupBrokenError("the group is closed: start a new one")
 
+    def abort_address(self) -> int:
+        """The address of the group's abort word in this process (an int64 in shared memory, non-zero
+        once a rank fails the current command): for waits outside Python to end on it
+        (:mod:`synk_comm.xla_cpu`)."""
+        return int(self.control.header.ctypes.data) + ABORT * self.control.header.itemsize
+
+    def break_group(self, reason: str) -> None:
+        """Mark the group unusable (every later use raises :class:`GroupBrokenError` with ``reason``):
+        for a failure that leaves the ranks out of step, e.g. inside an in-program collective."""
+        self._broken = reason
+
     def _next_buffer(self) -> int:
         k = self._buffer_turn
         self._buffer_turn ^= 1

@@ -137,7 +137,9 @@ class Segment:
             raise ValueError(f"capacity must be a positive multiple of 64 bytes, not {capacity}")
         shared = SharedArray.create(cls.nbytes(size, capacity), "uint8")
         shared.array[:3 * PAGE] = 0
-        return cls(shared, size, capacity)
+        segment = cls(shared, size, capacity)
+        segment._rows[:, 0] = np.nan  # no rank in a call yet
+        return segment
 
     @classmethod
     def attach(cls, name: str, size: int, capacity: int = 1 << 22) -> Segment:
@@ -156,6 +158,11 @@ class Segment:
         row[0] = weight
         row[1:2].view(np.int64)[0] = os.getpid()
 
+    def clear_weight(self, rank: int) -> None:
+        """Rank ``rank`` is out of its call: its all-reduces are the identity until the next
+        :meth:`set_weight` (a program called outside a call of the group)."""
+        self._rows[rank, 0] = np.nan
+
     def close(self) -> None:
         del self._rows  # no view may outlive the mapping
         if self._shared.owner:
@@ -163,20 +170,21 @@ class Segment:
         self._shared.close()
 
 
-def all_reduce(x: Any, op: str, segment: Segment, rank: int, size: int, abort_address: int = 0) -> Any:
+def all_reduce(x: Any, op: str, segment: Segment, rank: int, size: int, abort_address: int = 0,
+               ordered: bool = True) -> Any:
     """``op`` (``"sum"``, ``"prod"``, ``"max"``, ``"min"``, ``"avg"``) of every rank's ``x``, as a JAX
     expression to use inside a jitted function (a custom call; :func:`available` first).
 
     A rank of weight 0 contributes the op's identity; ``avg`` is ``sum_r w_r x_r / sum_r w_r``
     (NaN where every weight is 0).  ``abort_address``: an int64 word in shared memory that, once
-    non-zero, stops the waits (the group's abort flag); 0 for none.
+    non-zero, stops the waits (the group's abort flag); 0 for none.  ``ordered``: declare the call
+    with side effects, so that JAX runs a program's all-reduces in its order and never merges two;
+    without (60-190 us a call faster) only for a program that holds exactly one.
     """
     import jax
 
     if op not in OPS:
         raise ValueError(f"op must be one of {sorted(OPS)}, not {op!r}")
-    # no has_side_effect: with it JAX orders the program's effects and a call costs 60-190 us more;
-    # the result is used, so XLA keeps the call
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=ordered)
     return call(x, segment=np.int64(segment.address), abort=np.int64(abort_address), rank=np.int64(rank),
                 size=np.int64(size), capacity=np.int64(segment.capacity), op=np.int64(OPS[op]))

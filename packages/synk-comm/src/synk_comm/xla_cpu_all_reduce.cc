@@ -9,7 +9,9 @@
 //            the rank before its program runs (the weight of its value: 0 contributes the op's
 //            identity, avg weighs by it; peers check that the process is alive while they wait),
 //            then the weight of its last two calls (doubles, by parity), which the handler copies
-//            from the next weight before it posts a call: peers read those, never the next weight
+//            from the next weight before it posts a call: peers read those, never the next weight.
+//            A next weight of NaN: the rank is not in a call of the group; its all-reduce is then
+//            the identity (a copy), with no exchange
 //   page 3+  two buffers of `capacity` bytes per rank, used by turns (a call's parity)
 // Call g of rank r (g = posted[r] + 1; an array larger than a buffer takes one call per chunk):
 // wait until every rank is done with call g - 2 (whose buffers g reuses), copy the chunk in, post
@@ -165,6 +167,10 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t se
   Segment s{reinterpret_cast<char*>(segment), rank, size, capacity,
             reinterpret_cast<const std::atomic<int64_t>*>(abort)};
   size_t n = x.element_count();
+  if (std::isnan(s.next_weight(rank))) {  // not in a call of the group (a plain call of the program): one rank
+    std::memcpy(y->untyped_data(), x.untyped_data(), x.size_bytes());
+    return ffi::Error::Success();
+  }
   switch (x.element_type()) {
     case ffi::DataType::F32: return Run<float>(s, op, x.typed_data<float>(), y->typed_data<float>(), n);
     case ffi::DataType::F64: return Run<double>(s, op, x.typed_data<double>(), y->typed_data<double>(), n);

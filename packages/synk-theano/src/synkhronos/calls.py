@@ -211,14 +211,24 @@ def compute(rt: Runtime, rep: Replica, weight: float, run: Callable[[], list[Any
     on every updated value also holds the host until the step ends)."""
     if not rep.has_collectives or rt.size == 1:
         return run()
+    segment = getattr(rt.device, "native", None)
+    if segment is not None:  # all-reduces inside the JAX program read this rank's weight there
+        segment.set_weight(rt.rank, weight)
+        rt.group.barrier()  # every rank enters the program, or none: none is left waiting inside it
     with call_context.running(rt.group, weight) as ctx:
         try:
             outputs = run()
             rep.wait(outputs)
-        except Exception:
+        except Exception as exc:
             if ctx.failure is not None:
                 raise ctx.failure from None
+            if segment is not None and "synk_comm all-reduce" in str(exc):
+                rt.group.break_group(f"an all-reduce inside a compiled program failed ({exc}); the ranks are out "
+                                     "of step: the group is closed, start a new one")
             raise
+        finally:
+            if segment is not None:
+                segment.clear_weight(rt.rank)
     return outputs
 
 

@@ -41,6 +41,11 @@ PIN_ENV = "SYNK_CPU_PIN"
 """``0``: CPU ranks are not pinned to cores of their own."""
 RANKS_ENV = "SYNK_CPU_RANKS"
 """The number of CPU ranks when ``fork`` is not given ``n_parallel``."""
+NATIVE_ENV = "SYNK_CPU_IN_PROGRAM"
+"""``0``: in-graph all-reduces of a JAX-backend group do not run inside the ranks' programs (they
+make the graph compile in PyTensor's default mode, as without a C++ compiler)."""
+SEGMENT_ENV = "SYNK_CPU_SEGMENT"
+"""Set by fork for the workers: the name of the group's segment for in-program all-reduces."""
 ASYNC_ENV = "SYNK_CPU_ASYNC"
 """``1``: CPU ranks pinned to one core keep JAX's asynchronous dispatch
 (see :func:`compute_on_calling_thread`)."""
@@ -317,11 +322,15 @@ class JaxOrDefault:
         ``compile_fn(mode)`` -> a compiled PyTensor function (``mode`` None: the default).
     name : str
         The function's name, for the log line.
+    fall_back_on_run : bool
+        False for a function whose all-reduces run inside its JAX program (the other ranks wait
+        for this one there): a failed call raises instead of running again in the default mode.
     """
 
-    def __init__(self, compile_fn: Any, name: str) -> None:
+    def __init__(self, compile_fn: Any, name: str, fall_back_on_run: bool = True) -> None:
         self._compile_fn = compile_fn
         self._name = name
+        self._fall_back_on_run = fall_back_on_run
         self._trust_input = False
         self.mode = "JAX"
         try:
@@ -359,8 +368,37 @@ class JaxOrDefault:
         except _GROUP_ERRORS:  # the group's, not JAX's: running the function again would not help
             raise
         except Exception as exc:
+            if not self._fall_back_on_run:  # its all-reduces run in the program: the others wait there
+                raise
             self._fall_back(exc, "run")
         return self.fn(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # get_shared, maker, ...: the compiled function's
         return getattr(self.fn, name)
+
+
+def in_program_segment(backend: str, ranks: int) -> Any:
+    """The master's :class:`synk_comm.xla_cpu.Segment` for a group of ``ranks`` on ``backend``:
+    where in-graph all-reduces run inside each rank's JAX program (backend ``"jax"``, several ranks,
+    ``SYNK_CPU_IN_PROGRAM`` not 0, and the handler built: a C++ compiler; else None, and such
+    graphs compile in PyTensor's default mode as before)."""
+    if backend != "jax" or ranks < 2 or not _env_flag(NATIVE_ENV, True):
+        return None
+    from synk_comm import xla_cpu
+
+    if ranks > xla_cpu.MAX_RANKS or not xla_cpu.available():
+        return None
+    return xla_cpu.Segment.create(ranks)
+
+
+def attach_segment(size: int) -> Any:
+    """A worker's view of the master's segment (:func:`in_program_segment`), or None."""
+    name = os.environ.get(SEGMENT_ENV)
+    if not name:
+        return None
+    from synk_comm import xla_cpu
+
+    if not xla_cpu.available():  # the master built it: this fails only if the library went away
+        raise RuntimeError("synkhronos: the master runs all-reduces inside the JAX programs, but this worker "
+                           "cannot load the handler; set SYNK_CPU_IN_PROGRAM=0")
+    return xla_cpu.Segment.attach(name, size)

@@ -39,9 +39,10 @@ class Device:
         raise NotImplementedError
 
     def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None,
-                collectives: bool = False) -> Any:
+                collectives: bool = False, native: bool = False) -> Any:
         """``build(**kwargs)``: the compiled function (``kwargs`` from :meth:`compile_kwargs`);
-        ``collectives``: the graph holds in-graph collectives (:mod:`synkhronos.ops`)."""
+        ``collectives``: the graph holds in-graph collectives (:mod:`synkhronos.ops`); ``native``:
+        all of them can run inside a CPU rank's JAX program (:func:`synkhronos.ops.runs_in_program`)."""
         return build(**kwargs)
 
     def collectives_compile_apart(self, own_mode: bool = False) -> bool:
@@ -130,6 +131,10 @@ class CpuDevice(Device):
         self.computes_in_jax = backend == "jax"
         self.inline = False
         """Whether JAX computes this rank's calls on the calling thread (see ``one_core``)."""
+        self.native: Any = None
+        """The group's :class:`synk_comm.xla_cpu.Segment` where in-graph all-reduces run inside the
+        rank's JAX program (backend ``"jax"``, several ranks, a C++ compiler: set by fork and a
+        worker's first command), else None."""
         if backend == "jax":
             from synkhronos import cpu
 
@@ -143,7 +148,7 @@ class CpuDevice(Device):
         return dict(kwargs)
 
     def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None,
-                collectives: bool = False) -> Any:
+                collectives: bool = False, native: bool = False) -> Any:
         """JAX mode with a per-function fallback (backend ``"jax"``, no ``mode`` given), else
         ``build(**kwargs)``.
 
@@ -159,16 +164,25 @@ class CpuDevice(Device):
             return build(**kwargs)
         from synkhronos.cpu import JaxOrDefault, reading_numpy
 
-        if own_mode or (collectives and self.collectives_compile_apart(own_mode)):
+        if own_mode or (collectives and self.collectives_compile_apart(own_mode, native)):
             return reading_numpy(build(**kwargs))
         return JaxOrDefault(lambda mode: build(**kwargs) if mode is None else build(**kwargs, mode=mode),
-                            name or "(unnamed)")
+                            name or "(unnamed)", fall_back_on_run=not (collectives and native and self.native))
 
-    def collectives_compile_apart(self, own_mode: bool = False) -> bool:
+    def in_graph_collectives_pay(self, own_mode: bool = False) -> bool:
+        """With in-program all-reduces (:attr:`native`), a step of one function pays."""
+        if self.native is not None and not own_mode:
+            return True
+        return super().in_graph_collectives_pay(own_mode)
+
+    def collectives_compile_apart(self, own_mode: bool = False, native: bool = False) -> bool:
         """Backend ``"jax"`` over several ranks: PyTensor's default mode, unless the function has a
-        mode of its own.  A group of one rank keeps JAX: its collectives are the identity, traced
-        away (no host callback; measured on 16 cores: the benchmark MLP's step took 412 ms in the
-        default mode against 113 ms for plain PyTensor JAX)."""
+        mode of its own, or every collective of the graph is an all-reduce that runs inside the
+        JAX program (``native``, with :attr:`native` set).  A group of one rank keeps JAX: its
+        collectives are the identity, traced away (no host callback; measured on 16 cores: the
+        benchmark MLP's step took 412 ms in the default mode against 113 ms for plain PyTensor JAX)."""
+        if native and self.native is not None:
+            return False
         return self.backend == "jax" and not own_mode and self.ranks != 1
 
     def adopt(self, var: SharedVariable) -> None:

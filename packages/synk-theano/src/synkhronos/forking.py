@@ -172,6 +172,9 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         # pools to its own set
         threads = _shared_threads(n_parallel, env) if core_sets is None else len(core_sets[master_rank])
         device = CpuDevice(backend, ranks=n_parallel, one_core=threads == 1 and core_sets is not None)
+        device.native = cpu.in_program_segment(backend, n_parallel)
+        if device.native is not None:
+            env[cpu.SEGMENT_ENV] = device.native.name
     # GPU ranks have cores to spare: poll longer before sleeping, as a sleeping rank wakes slowly.
     # CPU ranks pinned to cores of their own too: a rank that polls takes no core from another
     # rank, while a rank that slept between two calls wakes tens of microseconds late (and the
@@ -295,6 +298,9 @@ def close() -> None:
             log.warning("synkhronos: could not read the shared values before closing: %s", exc)
     set_current(None)
     rt.group.close()
+    segment = getattr(rt.device, "native", None)  # CPU mode's in-program all-reduces
+    if segment is not None:
+        segment.close()
     if rt.thread_limits is not None:
         rt.thread_limits.restore_original_limits()
     log.info("synkhronos: closed")

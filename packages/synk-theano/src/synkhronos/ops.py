@@ -92,11 +92,13 @@ Example
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.abc
 import importlib.util
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -108,8 +110,8 @@ from synkhronos.call_context import CallContext
 from synkhronos.reduce_ops import UPDATE_OPS, check_op, contribution
 from synkhronos.reduce_ops import identity as identity_of
 
-__all__ = ["REDUCE_OPS", "AllGather", "AllReduce", "Broadcast", "Collective", "all_gather", "all_reduce",
-           "broadcast", "collective_nodes", "check_group", "without_empty_collective"]
+__all__ = ["NATIVE_DTYPES", "REDUCE_OPS", "AllGather", "AllReduce", "Broadcast", "Collective", "all_gather",
+           "all_reduce", "broadcast", "collective_nodes", "check_group", "runs_in_program", "without_empty_collective"]
 
 REDUCE_OPS = UPDATE_OPS
 """The ops of :func:`all_reduce`: ``"avg"``, ``"sum"``, ``"prod"``, ``"max"``, ``"min"``."""
@@ -733,7 +735,65 @@ def _jax_function(op: Collective, node: Apply, synk_axis: str | None = None,
     :meth:`Collective.in_program`), else a host callback that does what ``perform`` does."""
     if synk_axis is not None:
         return without_empty_collective(op.in_program(synk_axis, node, synk_counts))
+    segment = _native_segment()
+    if segment is not None and _IN_PROGRAM.get() is not None and runs_in_program(node):
+        return _in_program_all_reduce(cast(AllReduce, op), segment)
     return _host_callback(op, node)
+
+
+NATIVE_DTYPES = ("float32", "float64", "int32", "int64")
+"""The dtypes of the all-reduces that run inside a CPU rank's JAX program (:mod:`synk_comm.xla_cpu`)."""
+
+
+def runs_in_program(node: Apply) -> bool:
+    """Whether this collective can run inside a CPU rank's JAX program, where the group has a
+    segment for it (:attr:`synkhronos.device.CpuDevice.native`): an all-reduce of one of
+    :data:`NATIVE_DTYPES`."""
+    return isinstance(node.op, AllReduce) and node.outputs[0].type.dtype in NATIVE_DTYPES
+
+
+_IN_PROGRAM: contextvars.ContextVar[bool | None] = contextvars.ContextVar("synk_in_program", default=None)
+
+
+@contextlib.contextmanager
+def in_program_collectives(nodes: Sequence[Apply]) -> Iterator[None]:
+    """While the graph of ``nodes`` (its collectives) compiles: its all-reduces run inside the JAX
+    program where every one of its collectives can (:func:`runs_in_program`; a graph that also
+    holds another collective keeps host callbacks for all, in one order).  With several, they are
+    declared with side effects (JAX runs them in graph order; each call of the program costs 60-190
+    us more): XLA could otherwise merge two whose operands it proves equal in one rank and not in
+    another (a rank of one row: its mean is its sum), or order them otherwise there, and the ranks
+    would pair the wrong ones.  One all-reduce needs no order."""
+    token = _IN_PROGRAM.set(len(nodes) > 1 if nodes and all(runs_in_program(n) for n in nodes) else None)
+    try:
+        yield
+    finally:
+        _IN_PROGRAM.reset(token)
+
+
+def _native_segment() -> Any:
+    from synkhronos.runtime import current
+
+    rt = current()
+    if rt is None or rt.size == 1 or rt.engine is not None:
+        return None
+    return getattr(rt.device, "native", None)
+
+
+def _in_program_all_reduce(op: AllReduce, segment: Any) -> Callable[..., Any]:
+    """The all-reduce as a custom call over the group's segment (:func:`synk_comm.xla_cpu.all_reduce`):
+    each rank's weight for the call is in the segment (``calls.compute`` sets it), a rank of weight 0
+    contributes the identity, ``avg`` weighs by rows, as :meth:`AllReduce.host` does."""
+    from synk_comm import xla_cpu
+    from synkhronos.runtime import current
+
+    rt = current()
+    assert rt is not None
+    import jax.numpy as jnp
+
+    abort, ordered = rt.group.abort_address(), bool(_IN_PROGRAM.get())
+    return lambda x: xla_cpu.all_reduce(jnp.asarray(x), op.op, segment, rt.rank, rt.size, abort_address=abort,
+                                        ordered=ordered)
 
 
 def without_empty_collective(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -150,7 +150,11 @@ class Replica:
                                      **kwargs)
 
         t0 = time.perf_counter()
-        fn = self.device.compile(build, self._kwargs(subset), self.spec.name, collectives=self.has_collectives)
+        from synkhronos.ops import in_program_collectives, runs_in_program
+
+        with in_program_collectives(self.collectives):
+            fn = self.device.compile(build, self._kwargs(subset), self.spec.name, collectives=self.has_collectives,
+                                     native=self.has_collectives and all(runs_in_program(n) for n in self.collectives))
         self.compile_seconds += time.perf_counter() - t0
         fn.trust_input = True  # inputs are checked in the master (dtype, ndim) before any call
         return fn

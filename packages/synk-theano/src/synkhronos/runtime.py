@@ -102,18 +102,20 @@ def rank_runtime(group: Group) -> Runtime:
     (its device from the mode the master launched it in, ``SYNK_USE_GPU``)."""
     rt = current()
     if rt is None or rt.group is not group:
-        rt = Runtime(group, _make_device(os.environ.get("SYNK_USE_GPU") == "1"))
+        rt = Runtime(group, _make_device(os.environ.get("SYNK_USE_GPU") == "1", group.size))
         set_current(rt)
     return rt
 
 
-def _make_device(use_gpu: bool) -> Device:
+def _make_device(use_gpu: bool, size: int) -> Device:
     if use_gpu:
         from synkhronos.gpu import GpuDevice
 
         return GpuDevice()
-    from synkhronos.cpu import BACKEND_ENV
+    from synkhronos import cpu
     from synkhronos.device import CpuDevice
 
     cores = env_cores()  # set where the worker is pinned: its cores
-    return CpuDevice(os.environ.get(BACKEND_ENV, "pytensor"), one_core=cores is not None and len(cores) == 1)
+    device = CpuDevice(os.environ.get(cpu.BACKEND_ENV, "pytensor"), one_core=cores is not None and len(cores) == 1)
+    device.native = cpu.attach_segment(size)
+    return device
