@@ -97,6 +97,25 @@ def test_a_wait_ends_when_the_group_aborts() -> None:
         segment.close()
 
 
+def test_realign_puts_every_rank_at_the_furthest_call_posted() -> None:
+    """Rank 0 posted a call that rank 1 never reached (stopped by the abort word): the counters
+    disagree until :meth:`Segment.realign`, after which the next call of each rank is the same."""
+    abort = np.zeros(1, dtype=np.int64)
+    segment = alone_in(2)
+    segment.set_weight(1, 1.0)
+    try:
+        abort[0] = 1
+        step = jax.jit(lambda v: xla_cpu.all_reduce(v, "sum", segment, 0, 2, abort_address=abort.ctypes.data))
+        for _ in range(2):
+            with pytest.raises(Exception, match=xla_cpu.ABORTED):
+                np.asarray(step(np.ones(3, dtype=np.float32)))
+        assert segment._counters.tolist() == [[2, 0], [0, 0]]  # posted, done: by rank
+        segment.realign()
+        assert segment._counters.tolist() == [[2, 2], [2, 2]]
+    finally:
+        segment.close()
+
+
 def test_a_wait_ends_when_a_peer_is_gone() -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -17,10 +20,10 @@ import pytensor.tensor as pt
 import pytest
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
-from synk_testutil import TIMEOUT, USE_GPU, TwiceInPython, worker_pids
+from synk_testutil import TIMEOUT, USE_GPU, TwiceInPython, assert_no_workers_left, own_entries, worker_pids
 
 import synkhronos as synk
-from synk_comm import cores
+from synk_comm import WorkerError, cores
 from synkhronos import cpu, ops
 from synkhronos.runtime import current
 
@@ -114,20 +117,94 @@ def all_reduced_step(n_ranks: int) -> tuple:
     return f, params, reference, ref_params, (synk.data(xd), synk.data(yd)), (xd, yd)
 
 
+def in_program_available() -> bool:
+    from synk_comm import xla_cpu
+
+    return cpu.jax_importable() and xla_cpu.available()
+
+
+needs_in_program = pytest.mark.skipif(not in_program_available(),
+                                      reason="needs JAX and a C++ compiler (synk_comm.xla_cpu)")
+
+
 @needs_jax
-def test_a_graph_with_in_graph_collectives_compiles_in_the_default_mode(default_backend_choice):
-    """In-graph collectives run through ``perform`` (the shared-memory collectives, called directly),
-    never as JAX host callbacks on a pinned rank's one XLA thread; the step equals plain PyTensor's
-    full-batch step (the all-reduced avg gradient), 300 calls without a stall."""
+@pytest.mark.parametrize("in_program", [True, False], ids=["in_program", "SYNK_CPU_IN_PROGRAM=0"])
+def test_a_graph_of_in_graph_all_reduces_runs_them_in_program_or_in_the_default_mode(default_backend_choice,
+                                                                                     monkeypatch, in_program):
+    """With a C++ compiler the all-reduces run inside each rank's JAX program (synk_comm.xla_cpu);
+    with ``SYNK_CPU_IN_PROGRAM=0`` the graph compiles in the default mode and they run through
+    ``perform`` (never as JAX host callbacks on a pinned rank's one XLA thread).  Either way the
+    step equals plain PyTensor's full-batch step (the all-reduced avg gradient), 300 calls without
+    a stall."""
+    if in_program and not in_program_available():
+        pytest.skip("needs a C++ compiler (synk_comm.xla_cpu)")
+    if not in_program:
+        monkeypatch.setenv(cpu.IN_PROGRAM_ENV, "0")
     f, params, reference, ref_params, datas, arrays = all_reduced_step(2)
     for _ in range(300):
         got = float(f(*datas))
         expected = float(reference(*arrays))
-    assert current().device.backend == "jax" and getattr(f._replica.full(), "mode", None) != "JAX"
+    device = current().device
+    assert device.backend == "jax" and (device.all_reduce_segment is not None) == in_program
+    assert (getattr(f._replica.full(), "mode", None) == "JAX") == in_program
+    if in_program:  # the ranks met in the segment: 300 calls of 2 all-reduces
+        assert device.all_reduce_segment._counters[0].tolist() == [600, 600]
     np.testing.assert_allclose(got, expected, rtol=1e-9)
     for var, ref in zip(params, ref_params):
         np.testing.assert_allclose(var.get_value(), ref.get_value(), rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(synk.get_value(1, var), ref.get_value(), rtol=1e-9, atol=1e-12)
+
+
+def stalled_sum(fail_rank: int, seconds: float = 0.0) -> Any:
+    """``f(x)``: the sum of ``x`` over the ranks, all-reduced inside the program after a host step
+    (:class:`synk_engine_ops.Stall`) that waits ``seconds`` and, in rank ``fail_rank`` only, raises
+    where its rows sum below 0."""
+    from synk_engine_ops import Stall
+
+    x = pt.vector("x")
+    return synk.function([x], outputs=(ops.all_reduce(Stall(seconds, fail_rank)(x).sum(), "sum"), "max"))
+
+
+@needs_in_program
+def test_a_rank_that_fails_inside_its_program_stops_the_call_and_the_next_call_pairs_the_ranks_again(
+        default_backend_choice):
+    """Rank 2 raises inside its program before the all-reduce that ranks 0 and 1 wait in: they stop
+    (the group's abort word), the master raises rank 2's error, and the next calls are right (the
+    segment's counters realigned)."""
+    synk.fork(3, use_gpu=False)
+    f = stalled_sum(fail_rank=2)
+    xd = np.arange(1.0, 10.0)
+    assert float(f(synk.data(xd))) == pytest.approx(xd.sum())
+    with pytest.raises(WorkerError, match="fails on purpose") as info:
+        f(synk.data(-xd))
+    assert [e.rank for e in info.value.errors] == [2]
+    for k in range(3):  # each call pairs the ranks' all-reduces again
+        assert float(f(synk.data(xd + k))) == pytest.approx((xd + k).sum())
+    assert getattr(f._replica.full(), "mode", None) == "JAX"
+
+
+@needs_in_program
+def test_a_worker_killed_inside_its_program_fails_the_call_quickly(default_backend_choice):
+    """The master waits in the all-reduce for a worker that is killed before it gets there: the wait
+    ends (a peer's process is gone), the call raises WorkerDiedError within seconds, nothing of the
+    group is left, and a new group works."""
+    synk.fork(2, use_gpu=False)
+    prefix = current().group.prefix
+    f = stalled_sum(fail_rank=-2, seconds=3.0)
+    xd = np.arange(4.0)
+    victim = worker_pids()[0]
+    timer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+    t0 = time.monotonic()
+    timer.start()
+    with pytest.raises(synk.WorkerDiedError, match="died"):
+        f(synk.data(xd))
+    timer.join()
+    assert time.monotonic() - t0 < 8
+    synk.close()
+    assert_no_workers_left()
+    assert own_entries(prefix) == []
+    synk.fork(2, use_gpu=False)
+    assert float(stalled_sum(fail_rank=-2)(synk.data(xd))) == pytest.approx(xd.sum())
 
 
 @needs_jax
@@ -169,12 +246,14 @@ def test_an_op_without_jax_falls_back_to_the_default_mode_and_still_matches(defa
 
 @needs_jax
 @pytest.mark.parametrize("why", ["fallback", "collectives", "own mode"])
-def test_a_function_of_another_mode_reads_shared_values_that_a_jax_function_updated(default_backend_choice, why):
+def test_a_function_of_another_mode_reads_shared_values_that_a_jax_function_updated(default_backend_choice, why,
+                                                                                   monkeypatch):
     """A JAX-mode function leaves JAX arrays in the shared variables it updates; a function of the
     default mode -- fallen back (an Op without JAX), compiled apart (in-graph collectives), or of
     the user's own mode -- reads them as numpy (seen: the main job's CNN, whose dropout keeps its
     gradient function in the default mode while the update rule runs in JAX, raised Numba's
     "Unknown attribute 'shape' of type readonly buffer")."""
+    monkeypatch.setenv(cpu.IN_PROGRAM_ENV, "0")  # else the all-reduce runs in the JAX program
     xd = np.arange(24.0).reshape(8, 3)
     x = pt.matrix("x")
     w = pytensor.shared(np.ones(3), name="w")
@@ -212,6 +291,7 @@ def test_jax_or_default_recompiles_when_a_jax_call_fails_and_reruns_the_call():
 
     wrapped = cpu.JaxOrDefault.__new__(cpu.JaxOrDefault)
     wrapped._compile_fn, wrapped._name, wrapped._trust_input, wrapped.mode = compile_fn, "f", True, "JAX"
+    wrapped._fall_back_on_run = True
     wrapped.fn = compile_fn("JAX")
     assert wrapped(1) == 2 and wrapped(5) == 6
     assert built == ["JAX", None] and wrapped.mode == "default" and wrapped.fn.trust_input is True

@@ -136,6 +136,7 @@ class Group:
         """In the master: how many commands it has started (the workers do not count).  A caller
         that keeps what it learnt in one command can tell from it whether another came in between."""
         self._command_names: list[str] = []
+        self._after_failure: list[Callable[[], None]] = []
         self._nccl: Any = None
         self._affinity: dict[int, set[int]] | None = None  # the master's masks before start(cores=...)
         if create:
@@ -193,10 +194,15 @@ class Group:
         (:mod:`synk_comm.xla_cpu`)."""
         return int(self.control.header.ctypes.data) + ABORT * self.control.header.itemsize
 
-    def break_group(self, reason: str) -> None:
-        """Mark the group unusable (every later use raises :class:`GroupBrokenError` with ``reason``):
-        for a failure that leaves the ranks out of step, e.g. inside an in-program collective."""
-        self._broken = reason
+    def after_failed_command(self, fn: Callable[[], None]) -> None:
+        """In the master: call ``fn()`` after each failed command, once every worker has ended it
+        and before the next command starts: to put state that the ranks share outside the group
+        back in step (:meth:`synk_comm.xla_cpu.Segment.realign`)."""
+        self._after_failure.append(fn)
+
+    def _failed(self) -> None:
+        for fn in self._after_failure:
+            fn()
 
     def _next_buffer(self) -> int:
         k = self._buffer_turn
@@ -391,6 +397,7 @@ class Group:
         if header[ABORT] or errors:
             self.sems.drain()
             header[ABORT] = 0
+        self._failed()
         if master_exc is not None and not isinstance(master_exc, GroupAborted):
             for e in errors:
                 log.error("rank %d also raised %s: %s", e.rank, e.type_name, e.message)
@@ -411,6 +418,7 @@ class Group:
                         e.rank, e.type_name, e.message)
         self.sems.drain()
         self.control.header[ABORT] = 0
+        self._failed()
 
     def _take_errors(self) -> list[RemoteError]:
         status = self._status

@@ -16,7 +16,8 @@ Every rank of the group must run the same sequence of these all-reduces, on arra
 shape and dtype (float32, float64, int32 or int64), each after setting its weight for the call
 (:meth:`Segment.set_weight`: 0 contributes the op's identity; ``avg`` weighs by it).  A wait in
 the handler ends with an error when the group's abort word is set (a rank failed its command) or
-a peer's process is gone; after such an error the ranks' counters disagree: close the group.
+a peer's process is gone; after such an error the ranks' counters disagree: once no rank is
+inside a program, :meth:`Segment.realign` puts them in step again.
 
 Example (every rank; ``segment`` made by rank 0 with :meth:`Segment.create`, attached by the
 others with :meth:`Segment.attach`)::
@@ -50,6 +51,8 @@ MAX_RANKS = 64
 OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 """The ops and their codes in the handler."""
 PAGE = 4096
+ABORTED = "synk_comm all-reduce: another rank failed"
+"""How the error of an all-reduce that the group's abort word stopped begins (a peer failed)."""
 _state: dict[str, Any] = {}
 
 
@@ -120,6 +123,7 @@ class Segment:
         self.capacity = capacity
         self.address = int(shared.array.ctypes.data)
         self._rows = shared.view((size, 8), "float64", offset=2 * PAGE)  # a cache line per rank
+        self._counters = shared.view((2, PAGE // 8), "uint64")[:, :8 * size:8]  # posted, done: a line per rank
 
     @staticmethod
     def nbytes(size: int, capacity: int) -> int:
@@ -163,8 +167,15 @@ class Segment:
         :meth:`set_weight` (a program called outside a call of the group)."""
         self._rows[rank, 0] = np.nan
 
+    def realign(self) -> None:
+        """After an all-reduce stopped with an error (some ranks posted a call that others never
+        reached): every rank's counters to the furthest call posted, so that the next all-reduce
+        pairs the ranks again.  Only while no rank is inside a program of the group (the master,
+        once every rank has ended the failed command)."""
+        self._counters[:] = self._counters[0].max()
+
     def close(self) -> None:
-        del self._rows  # no view may outlive the mapping
+        del self._rows, self._counters  # no view may outlive the mapping
         if self._shared.owner:
             self._shared.unlink()
         self._shared.close()

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from synk_comm.errors import GroupAborted
+from synk_comm.xla_cpu import ABORTED as ABORTED_IN_PROGRAM
 from synkhronos import call_context
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime
@@ -211,7 +213,7 @@ def compute(rt: Runtime, rep: Replica, weight: float, run: Callable[[], list[Any
     on every updated value also holds the host until the step ends)."""
     if not rep.has_collectives or rt.size == 1:
         return run()
-    segment = getattr(rt.device, "native", None)
+    segment = getattr(rt.device, "all_reduce_segment", None) if rep.all_reduces_in_program else None
     if segment is not None:  # all-reduces inside the JAX program read this rank's weight there
         segment.set_weight(rt.rank, weight)
         rt.group.barrier()  # every rank enters the program, or none: none is left waiting inside it
@@ -222,9 +224,8 @@ def compute(rt: Runtime, rep: Replica, weight: float, run: Callable[[], list[Any
         except Exception as exc:
             if ctx.failure is not None:
                 raise ctx.failure from None
-            if segment is not None and "synk_comm all-reduce" in str(exc):
-                rt.group.break_group(f"an all-reduce inside a compiled program failed ({exc}); the ranks are out "
-                                     "of step: the group is closed, start a new one")
+            if segment is not None and ABORTED_IN_PROGRAM in str(exc):  # a peer failed: its error is the news
+                raise GroupAborted(f"rank {rt.rank} stopped in an all-reduce: another rank failed") from exc
             raise
         finally:
             if segment is not None:

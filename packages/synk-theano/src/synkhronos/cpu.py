@@ -41,7 +41,7 @@ PIN_ENV = "SYNK_CPU_PIN"
 """``0``: CPU ranks are not pinned to cores of their own."""
 RANKS_ENV = "SYNK_CPU_RANKS"
 """The number of CPU ranks when ``fork`` is not given ``n_parallel``."""
-NATIVE_ENV = "SYNK_CPU_IN_PROGRAM"
+IN_PROGRAM_ENV = "SYNK_CPU_IN_PROGRAM"
 """``0``: in-graph all-reduces of a JAX-backend group do not run inside the ranks' programs (they
 make the graph compile in PyTensor's default mode, as without a C++ compiler)."""
 SEGMENT_ENV = "SYNK_CPU_SEGMENT"
@@ -377,12 +377,12 @@ class JaxOrDefault:
         return getattr(self.fn, name)
 
 
-def in_program_segment(backend: str, ranks: int) -> Any:
+def create_all_reduce_segment(backend: str, ranks: int) -> Any:
     """The master's :class:`synk_comm.xla_cpu.Segment` for a group of ``ranks`` on ``backend``:
     where in-graph all-reduces run inside each rank's JAX program (backend ``"jax"``, several ranks,
     ``SYNK_CPU_IN_PROGRAM`` not 0, and the handler built: a C++ compiler; else None, and such
     graphs compile in PyTensor's default mode as before)."""
-    if backend != "jax" or ranks < 2 or not _env_flag(NATIVE_ENV, True):
+    if backend != "jax" or ranks < 2 or not _env_flag(IN_PROGRAM_ENV, True):
         return None
     from synk_comm import xla_cpu
 
@@ -391,8 +391,8 @@ def in_program_segment(backend: str, ranks: int) -> Any:
     return xla_cpu.Segment.create(ranks)
 
 
-def attach_segment(size: int) -> Any:
-    """A worker's view of the master's segment (:func:`in_program_segment`), or None."""
+def attach_all_reduce_segment(size: int) -> Any:
+    """A worker's view of the master's segment (:func:`create_all_reduce_segment`), or None."""
     name = os.environ.get(SEGMENT_ENV)
     if not name:
         return None

@@ -39,9 +39,9 @@ class Device:
         raise NotImplementedError
 
     def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None,
-                collectives: bool = False, native: bool = False) -> Any:
+                collectives: bool = False, in_program: bool = False) -> Any:
         """``build(**kwargs)``: the compiled function (``kwargs`` from :meth:`compile_kwargs`);
-        ``collectives``: the graph holds in-graph collectives (:mod:`synkhronos.ops`); ``native``:
+        ``collectives``: the graph holds in-graph collectives (:mod:`synkhronos.ops`); ``in_program``:
         all of them can run inside a CPU rank's JAX program (:func:`synkhronos.ops.runs_in_program`)."""
         return build(**kwargs)
 
@@ -131,7 +131,7 @@ class CpuDevice(Device):
         self.computes_in_jax = backend == "jax"
         self.inline = False
         """Whether JAX computes this rank's calls on the calling thread (see ``one_core``)."""
-        self.native: Any = None
+        self.all_reduce_segment: Any = None
         """The group's :class:`synk_comm.xla_cpu.Segment` where in-graph all-reduces run inside the
         rank's JAX program (backend ``"jax"``, several ranks, a C++ compiler: set by fork and a
         worker's first command), else None."""
@@ -148,7 +148,7 @@ class CpuDevice(Device):
         return dict(kwargs)
 
     def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None,
-                collectives: bool = False, native: bool = False) -> Any:
+                collectives: bool = False, in_program: bool = False) -> Any:
         """JAX mode with a per-function fallback (backend ``"jax"``, no ``mode`` given), else
         ``build(**kwargs)``.
 
@@ -164,24 +164,25 @@ class CpuDevice(Device):
             return build(**kwargs)
         from synkhronos.cpu import JaxOrDefault, reading_numpy
 
-        if own_mode or (collectives and self.collectives_compile_apart(own_mode, native)):
+        if own_mode or (collectives and self.collectives_compile_apart(own_mode, in_program)):
             return reading_numpy(build(**kwargs))
+        in_segment = collectives and in_program and self.all_reduce_segment is not None
         return JaxOrDefault(lambda mode: build(**kwargs) if mode is None else build(**kwargs, mode=mode),
-                            name or "(unnamed)", fall_back_on_run=not (collectives and native and self.native))
+                            name or "(unnamed)", fall_back_on_run=not in_segment)
 
     def in_graph_collectives_pay(self, own_mode: bool = False) -> bool:
-        """With in-program all-reduces (:attr:`native`), a step of one function pays."""
-        if self.native is not None and not own_mode:
+        """With in-program all-reduces (:attr:`all_reduce_segment`), a step of one function pays."""
+        if self.all_reduce_segment is not None and not own_mode:
             return True
         return super().in_graph_collectives_pay(own_mode)
 
-    def collectives_compile_apart(self, own_mode: bool = False, native: bool = False) -> bool:
+    def collectives_compile_apart(self, own_mode: bool = False, in_program: bool = False) -> bool:
         """Backend ``"jax"`` over several ranks: PyTensor's default mode, unless the function has a
         mode of its own, or every collective of the graph is an all-reduce that runs inside the
-        JAX program (``native``, with :attr:`native` set).  A group of one rank keeps JAX: its
+        JAX program (``in_program``, with :attr:`all_reduce_segment` set).  A group of one rank keeps JAX: its
         collectives are the identity, traced away (no host callback; measured on 16 cores: the
         benchmark MLP's step took 412 ms in the default mode against 113 ms for plain PyTensor JAX)."""
-        if native and self.native is not None:
+        if in_program and self.all_reduce_segment is not None:
             return False
         return self.backend == "jax" and not own_mode and self.ranks != 1
 

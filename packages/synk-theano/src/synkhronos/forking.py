@@ -172,15 +172,23 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         # pools to its own set
         threads = _shared_threads(n_parallel, env) if core_sets is None else len(core_sets[master_rank])
         device = CpuDevice(backend, ranks=n_parallel, one_core=threads == 1 and core_sets is not None)
-        device.native = cpu.in_program_segment(backend, n_parallel)
-        if device.native is not None:
-            env[cpu.SEGMENT_ENV] = device.native.name
+        device.all_reduce_segment = cpu.create_all_reduce_segment(backend, n_parallel)
+        if device.all_reduce_segment is not None:
+            env[cpu.SEGMENT_ENV] = device.all_reduce_segment.name
     # GPU ranks have cores to spare: poll longer before sleeping, as a sleeping rank wakes slowly.
     # CPU ranks pinned to cores of their own too: a rank that polls takes no core from another
     # rank, while a rank that slept between two calls wakes tens of microseconds late (and the
     # master wakes the ranks one after the other).
-    group = _start_group(n_parallel, n_parallel, master_rank, devices, env, profile_workers, max_n_var,
-                         long_spin=use_gpu or core_sets is not None, cores=core_sets)
+    segment = getattr(device, "all_reduce_segment", None)
+    try:
+        group = _start_group(n_parallel, n_parallel, master_rank, devices, env, profile_workers, max_n_var,
+                             long_spin=use_gpu or core_sets is not None, cores=core_sets)
+    except BaseException:
+        if segment is not None:
+            segment.close()
+        raise
+    if segment is not None:  # a rank that failed inside a program left the others' counters ahead
+        group.after_failed_command(segment.realign)
     rt = Runtime(group, device)
     rt.max_dim = max_dim
     if not use_gpu and n_parallel > 1:
@@ -298,7 +306,7 @@ def close() -> None:
             log.warning("synkhronos: could not read the shared values before closing: %s", exc)
     set_current(None)
     rt.group.close()
-    segment = getattr(rt.device, "native", None)  # CPU mode's in-program all-reduces
+    segment = getattr(rt.device, "all_reduce_segment", None)  # CPU mode's in-program all-reduces
     if segment is not None:
         segment.close()
     if rt.thread_limits is not None:

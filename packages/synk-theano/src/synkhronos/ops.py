@@ -79,6 +79,10 @@ operand must then have the same shape in every rank (a clear error says so), exc
 :meth:`Collective.in_uneven`).  Under JAX per rank (CPU mode's ``mode="JAX"``, GPU mode's
 per-rank engine) a host callback's result shape is fixed when the function is traced, so
 ``all_gather`` needs the same length along ``axis`` in every rank (a clear error otherwise).
+CPU mode over several ranks runs an all-reduce inside the rank's JAX program instead, a custom
+call over the group's shared segment (:mod:`synk_comm.xla_cpu`), where every collective of the
+graph is an all-reduce of :data:`IN_PROGRAM_DTYPES` (:func:`in_program_collectives`); its other
+graphs compile in PyTensor's default mode (the CPU mode guide says why).
 
 Example
 -------
@@ -110,8 +114,9 @@ from synkhronos.call_context import CallContext
 from synkhronos.reduce_ops import UPDATE_OPS, check_op, contribution
 from synkhronos.reduce_ops import identity as identity_of
 
-__all__ = ["NATIVE_DTYPES", "REDUCE_OPS", "AllGather", "AllReduce", "Broadcast", "Collective", "all_gather",
-           "all_reduce", "broadcast", "collective_nodes", "check_group", "runs_in_program", "without_empty_collective"]
+__all__ = ["IN_PROGRAM_DTYPES", "REDUCE_OPS", "AllGather", "AllReduce", "Broadcast", "Collective", "all_gather",
+           "all_reduce", "broadcast", "collective_nodes", "check_group", "in_program_collectives", "runs_in_program",
+           "without_empty_collective"]
 
 REDUCE_OPS = UPDATE_OPS
 """The ops of :func:`all_reduce`: ``"avg"``, ``"sum"``, ``"prod"``, ``"max"``, ``"min"``."""
@@ -735,21 +740,21 @@ def _jax_function(op: Collective, node: Apply, synk_axis: str | None = None,
     :meth:`Collective.in_program`), else a host callback that does what ``perform`` does."""
     if synk_axis is not None:
         return without_empty_collective(op.in_program(synk_axis, node, synk_counts))
-    segment = _native_segment()
+    segment = _all_reduce_segment()
     if segment is not None and _IN_PROGRAM.get() is not None and runs_in_program(node):
         return _in_program_all_reduce(cast(AllReduce, op), segment)
     return _host_callback(op, node)
 
 
-NATIVE_DTYPES = ("float32", "float64", "int32", "int64")
+IN_PROGRAM_DTYPES = ("float32", "float64", "int32", "int64")
 """The dtypes of the all-reduces that run inside a CPU rank's JAX program (:mod:`synk_comm.xla_cpu`)."""
 
 
 def runs_in_program(node: Apply) -> bool:
     """Whether this collective can run inside a CPU rank's JAX program, where the group has a
-    segment for it (:attr:`synkhronos.device.CpuDevice.native`): an all-reduce of one of
-    :data:`NATIVE_DTYPES`."""
-    return isinstance(node.op, AllReduce) and node.outputs[0].type.dtype in NATIVE_DTYPES
+    segment for it (:attr:`synkhronos.device.CpuDevice.all_reduce_segment`): an all-reduce of one of
+    :data:`IN_PROGRAM_DTYPES`."""
+    return isinstance(node.op, AllReduce) and node.outputs[0].type.dtype in IN_PROGRAM_DTYPES
 
 
 _IN_PROGRAM: contextvars.ContextVar[bool | None] = contextvars.ContextVar("synk_in_program", default=None)
@@ -771,13 +776,13 @@ def in_program_collectives(nodes: Sequence[Apply]) -> Iterator[None]:
         _IN_PROGRAM.reset(token)
 
 
-def _native_segment() -> Any:
+def _all_reduce_segment() -> Any:
     from synkhronos.runtime import current
 
     rt = current()
     if rt is None or rt.size == 1 or rt.engine is not None:
         return None
-    return getattr(rt.device, "native", None)
+    return getattr(rt.device, "all_reduce_segment", None)
 
 
 def _in_program_all_reduce(op: AllReduce, segment: Any) -> Callable[..., Any]:

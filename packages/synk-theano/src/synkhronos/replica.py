@@ -49,6 +49,7 @@ class Replica:
         self._selected: dict[tuple[Subset, int], Any] = {}
         self.compile_seconds = 0.0
         self._collectives: list[Any] | None = None
+        self._in_program: bool | None = None
         self._exact: set[Any] = set()
         """The kinds of values (``("outputs", subset)``, ``"updates"``) found in their declared
         dtypes once: the compiled function's output dtypes follow from its input dtypes, which
@@ -71,6 +72,17 @@ class Replica:
         """Whether a call of this function communicates from inside its graph: then every rank
         computes, even one without rows, in one slice."""
         return bool(self.collectives)
+
+    @property
+    def all_reduces_in_program(self) -> bool:
+        """Whether every in-graph collective of this function is an all-reduce that can run inside
+        a CPU rank's JAX program (:func:`synkhronos.ops.runs_in_program`; there, where the group has
+        a segment for them)."""
+        if self._in_program is None:
+            from synkhronos.ops import runs_in_program
+
+            self._in_program = self.has_collectives and all(runs_in_program(n) for n in self.collectives)
+        return self._in_program
 
     def wait(self, outputs: Sequence[Any]) -> None:
         """Until ``outputs`` and the updated shared values are computed (GPU mode: JAX dispatches
@@ -150,11 +162,11 @@ class Replica:
                                      **kwargs)
 
         t0 = time.perf_counter()
-        from synkhronos.ops import in_program_collectives, runs_in_program
+        from synkhronos.ops import in_program_collectives
 
         with in_program_collectives(self.collectives):
             fn = self.device.compile(build, self._kwargs(subset), self.spec.name, collectives=self.has_collectives,
-                                     native=self.has_collectives and all(runs_in_program(n) for n in self.collectives))
+                                     in_program=self.all_reduces_in_program)
         self.compile_seconds += time.perf_counter() - t0
         fn.trust_input = True  # inputs are checked in the master (dtype, ndim) before any call
         return fn

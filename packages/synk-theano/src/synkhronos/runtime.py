@@ -117,5 +117,5 @@ def _make_device(use_gpu: bool, size: int) -> Device:
 
     cores = env_cores()  # set where the worker is pinned: its cores
     device = CpuDevice(os.environ.get(cpu.BACKEND_ENV, "pytensor"), one_core=cores is not None and len(cores) == 1)
-    device.native = cpu.attach_segment(size)
+    device.all_reduce_segment = cpu.attach_all_reduce_segment(size)
     return device
