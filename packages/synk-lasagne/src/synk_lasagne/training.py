@@ -208,13 +208,18 @@ def in_graph_all_reduce_pays(own_mode: bool = False) -> bool:
     """Whether a training step runs as :attr:`TrainFunction.function` (the in-graph all-reduce)
     rather than :attr:`TrainFunction.chain`: with one rank, under the JAX engine (GPU mode's),
     in CPU mode with PyTensor's default backend or a mode of the function's own (``own_mode``),
-    and in GPU mode under the per-rank engine (``engine="ranks"``); not in CPU mode's JAX backend.
+    in CPU mode's JAX backend where the all-reduce runs inside each rank's program (a C++
+    compiler built :mod:`synk_comm.xla_cpu`), and in GPU mode under the per-rank engine
+    (``engine="ranks"``); not in CPU mode's JAX backend without it (``SYNK_CPU_IN_PROGRAM=0``).
 
     With PyTensor's default backend the in-graph all-reduce takes the same shared-memory path as
     the chain's, and one function saves a call and a barrier (``benchmarks/RESULTS.md``).  CPU
-    mode's JAX backend compiles a graph with in-graph collectives in the default mode (see
-    :meth:`synkhronos.device.Device.in_graph_collectives_pay`), which would cost the step JAX's speed: the chain
-    keeps both of its functions in JAX.  Under the JAX engine a function is one program over the
+    mode's JAX backend runs the all-reduce inside the rank's XLA program, so the step is one JAX
+    call (the main job: a median of 1.46x over one process against the chain's 1.37x,
+    ``benchmarks/RESULTS.md`` session 19); without that it compiles a graph with in-graph
+    collectives in the default mode (see :meth:`synkhronos.device.Device.in_graph_collectives_pay`),
+    which would cost the step JAX's speed, and the chain keeps both of its functions in JAX.  Under
+    the JAX engine a function is one program over the
     ranks' devices (``jax_funcify(..., synk_axis=...)``), where the in-graph all-reduce is XLA's
     own.  GPU mode's per-rank engine runs it as a host callback (the gradient through host
     memory), which is what the chain's all-reduce does too there (through host shared memory):
