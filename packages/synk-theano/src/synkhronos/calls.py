@@ -213,7 +213,7 @@ def compute(rt: Runtime, rep: Replica, weight: float, run: Callable[[], list[Any
     on every updated value also holds the host until the step ends)."""
     if not rep.has_collectives or rt.size == 1:
         return run()
-    segment = getattr(rt.device, "all_reduce_segment", None) if rep.all_reduces_in_program else None
+    segment = rt.device.all_reduce_segment if rep.all_reduces_in_program else None
     if segment is not None:  # all-reduces inside the JAX program read this rank's weight there
         segment.set_weight(rt.rank, weight)
         rt.group.barrier()  # every rank enters the program, or none: none is left waiting inside it

@@ -33,6 +33,10 @@ class Device:
     computes_in_jax = False
     """Whether compiled functions may return JAX arrays, in JAX's dtypes (GPU mode; CPU mode's JAX
     backend): updates applied by PyTensor are cast back to their variables' declared dtypes."""
+    all_reduce_segment: Any = None
+    """The group's :class:`synk_comm.xla_cpu.Segment` where in-graph all-reduces run inside the
+    rank's JAX program (CPU mode: backend ``"jax"``, several ranks, a C++ compiler; set by fork and
+    a worker's first command), else None."""
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The keyword arguments for ``pytensor.function`` in this mode."""
@@ -131,10 +135,6 @@ class CpuDevice(Device):
         self.computes_in_jax = backend == "jax"
         self.inline = False
         """Whether JAX computes this rank's calls on the calling thread (see ``one_core``)."""
-        self.all_reduce_segment: Any = None
-        """The group's :class:`synk_comm.xla_cpu.Segment` where in-graph all-reduces run inside the
-        rank's JAX program (backend ``"jax"``, several ranks, a C++ compiler: set by fork and a
-        worker's first command), else None."""
         if backend == "jax":
             from synkhronos import cpu
 

@@ -179,7 +179,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     # CPU ranks pinned to cores of their own too: a rank that polls takes no core from another
     # rank, while a rank that slept between two calls wakes tens of microseconds late (and the
     # master wakes the ranks one after the other).
-    segment = getattr(device, "all_reduce_segment", None)
+    segment = device.all_reduce_segment
     try:
         group = _start_group(n_parallel, n_parallel, master_rank, devices, env, profile_workers, max_n_var,
                              long_spin=use_gpu or core_sets is not None, cores=core_sets)
@@ -306,7 +306,7 @@ def close() -> None:
             log.warning("synkhronos: could not read the shared values before closing: %s", exc)
     set_current(None)
     rt.group.close()
-    segment = getattr(rt.device, "all_reduce_segment", None)  # CPU mode's in-program all-reduces
+    segment = rt.device.all_reduce_segment  # CPU mode's in-program all-reduces
     if segment is not None:
         segment.close()
     if rt.thread_limits is not None:

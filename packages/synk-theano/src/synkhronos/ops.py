@@ -115,8 +115,8 @@ from synkhronos.reduce_ops import UPDATE_OPS, check_op, contribution
 from synkhronos.reduce_ops import identity as identity_of
 
 __all__ = ["IN_PROGRAM_DTYPES", "REDUCE_OPS", "AllGather", "AllReduce", "Broadcast", "Collective", "all_gather",
-           "all_reduce", "broadcast", "collective_nodes", "check_group", "in_program_collectives", "runs_in_program",
-           "without_empty_collective"]
+           "all_reduce", "all_run_in_program", "broadcast", "collective_nodes", "check_group",
+           "in_program_collectives", "runs_in_program", "without_empty_collective"]
 
 REDUCE_OPS = UPDATE_OPS
 """The ops of :func:`all_reduce`: ``"avg"``, ``"sum"``, ``"prod"``, ``"max"``, ``"min"``."""
@@ -740,9 +740,9 @@ def _jax_function(op: Collective, node: Apply, synk_axis: str | None = None,
     :meth:`Collective.in_program`), else a host callback that does what ``perform`` does."""
     if synk_axis is not None:
         return without_empty_collective(op.in_program(synk_axis, node, synk_counts))
-    segment = _all_reduce_segment()
-    if segment is not None and _IN_PROGRAM.get() is not None and runs_in_program(node):
-        return _in_program_all_reduce(cast(AllReduce, op), segment)
+    rt = _in_program_runtime()
+    if rt is not None and _IN_PROGRAM.get() is not None and runs_in_program(node):
+        return _in_program_all_reduce(cast(AllReduce, op), rt)
     return _host_callback(op, node)
 
 
@@ -757,6 +757,11 @@ def runs_in_program(node: Apply) -> bool:
     return isinstance(node.op, AllReduce) and node.outputs[0].type.dtype in IN_PROGRAM_DTYPES
 
 
+def all_run_in_program(nodes: Sequence[Apply]) -> bool:
+    """Whether a graph's collectives ``nodes`` are some and all run in program (:func:`runs_in_program`)."""
+    return bool(nodes) and all(runs_in_program(n) for n in nodes)
+
+
 _IN_PROGRAM: contextvars.ContextVar[bool | None] = contextvars.ContextVar("synk_in_program", default=None)
 
 
@@ -769,34 +774,32 @@ def in_program_collectives(nodes: Sequence[Apply]) -> Iterator[None]:
     us more): XLA could otherwise merge two whose operands it proves equal in one rank and not in
     another (a rank of one row: its mean is its sum), or order them otherwise there, and the ranks
     would pair the wrong ones.  One all-reduce needs no order."""
-    token = _IN_PROGRAM.set(len(nodes) > 1 if nodes and all(runs_in_program(n) for n in nodes) else None)
+    token = _IN_PROGRAM.set(len(nodes) > 1 if all_run_in_program(nodes) else None)
     try:
         yield
     finally:
         _IN_PROGRAM.reset(token)
 
 
-def _all_reduce_segment() -> Any:
+def _in_program_runtime() -> Any:
+    """This rank's runtime where its group has a segment for in-program all-reduces, else None."""
     from synkhronos.runtime import current
 
     rt = current()
-    if rt is None or rt.size == 1 or rt.engine is not None:
+    if rt is None or rt.size == 1 or rt.engine is not None or rt.device.all_reduce_segment is None:
         return None
-    return getattr(rt.device, "all_reduce_segment", None)
+    return rt
 
 
-def _in_program_all_reduce(op: AllReduce, segment: Any) -> Callable[..., Any]:
+def _in_program_all_reduce(op: AllReduce, rt: Any) -> Callable[..., Any]:
     """The all-reduce as a custom call over the group's segment (:func:`synk_comm.xla_cpu.all_reduce`):
     each rank's weight for the call is in the segment (``calls.compute`` sets it), a rank of weight 0
     contributes the identity, ``avg`` weighs by rows, as :meth:`AllReduce.host` does."""
-    from synk_comm import xla_cpu
-    from synkhronos.runtime import current
-
-    rt = current()
-    assert rt is not None
     import jax.numpy as jnp
 
-    abort, ordered = rt.group.abort_address(), bool(_IN_PROGRAM.get())
+    from synk_comm import xla_cpu
+
+    segment, abort, ordered = rt.device.all_reduce_segment, rt.group.abort_address(), bool(_IN_PROGRAM.get())
     return lambda x: xla_cpu.all_reduce(jnp.asarray(x), op.op, segment, rt.rank, rt.size, abort_address=abort,
                                         ordered=ordered)
 

@@ -79,9 +79,9 @@ class Replica:
         a CPU rank's JAX program (:func:`synkhronos.ops.runs_in_program`; there, where the group has
         a segment for them)."""
         if self._in_program is None:
-            from synkhronos.ops import runs_in_program
+            from synkhronos.ops import all_run_in_program
 
-            self._in_program = self.has_collectives and all(runs_in_program(n) for n in self.collectives)
+            self._in_program = all_run_in_program(self.collectives)
         return self._in_program
 
     def wait(self, outputs: Sequence[Any]) -> None:
