@@ -158,14 +158,16 @@ def sum_ranks(group: synk_comm.Group, payload: Any) -> np.ndarray:
 
 @synk_comm.handler("reply_shapes")
 def reply_shapes(group: synk_comm.Group, payload: Any) -> None:
-    """Workers reply ``rank + arange(n)`` for each ``n`` of ``payload[rank]`` (float64), or, when
-    ``payload[rank]`` is None, an error message (a pickle in the same mailbox)."""
+    """Workers reply ``base + rank + arange(n)`` for each ``n`` of ``payload[rank]`` (float64;
+    ``base``: ``payload.get("base", 0)``), or, when ``payload[rank]`` is None, an error message (a
+    pickle in the same mailbox)."""
     if group.is_master:
         return
     sizes = payload[group.rank]
     if sizes is None:
         raise ValueError(f"no reply from rank {group.rank}")
-    group.reply([group.rank + np.arange(n, dtype=np.float64) for n in sizes])
+    base = payload.get("base", 0)
+    group.reply([base + group.rank + np.arange(n, dtype=np.float64) for n in sizes])
 
 
 @synk_comm.handler("pids")

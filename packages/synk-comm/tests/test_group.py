@@ -106,10 +106,13 @@ def test_command_runs_in_every_rank(group):
 def test_replies_follow_every_change_of_layout_and_buffer(group):
     """The master keeps its views of the workers' replies while no layout changes
     (``Buffers.read_each``): same layouts, then new shapes in one rank, then back, then a reply
-    larger than the mailbox (a new segment), then an error message in the mailbox in between."""
+    larger than the mailbox (a new segment), then an error message in the mailbox in between, then
+    two layouts taking turns (a train step's reply and an evaluation's: each keeps its views)."""
     plans = [{1: [1], 2: [1]}, {1: [1], 2: [1]}, {1: [1], 2: [3, 2]}, {1: [1], 2: [1]}, {1: [100_000], 2: [1]},
-             {1: [2], 2: [2]}, {1: None, 2: [2]}, {1: [2], 2: [2]}, {1: [5], 2: [2]}]
-    for plan in plans:
+             {1: [2], 2: [2]}, {1: None, 2: [2]}, {1: [2], 2: [2]}, {1: [5], 2: [2]},
+             *[{1: [3, 1], 2: [1]}, {1: [1], 2: [2, 3]}] * 3]
+    for i, plan in enumerate(plans):
+        plan["base"] = 10 * i  # every reply's values differ from the last one of its layout
         if plan[1] is None:
             with pytest.raises(WorkerError, match="no reply from rank 1"), group.command("reply_shapes", plan):
                 pass
@@ -122,7 +125,7 @@ def test_replies_follow_every_change_of_layout_and_buffer(group):
             for rank, arrays in replies.items():
                 assert len(arrays) == len(plan[rank]), (plan, rank)
                 for a, n in zip(arrays, plan[rank]):
-                    np.testing.assert_array_equal(a, rank + np.arange(n), err_msg=f"{plan}, rank {rank}")
+                    np.testing.assert_array_equal(a, 10 * i + rank + np.arange(n), err_msg=f"{plan}, rank {rank}")
 
 
 def test_unknown_handler_is_value_error(group):

@@ -376,3 +376,40 @@ def test_a_repeated_call_reuses_its_checked_plan_until_a_data_changes(fns, ranks
     xd.free_memory()
     with pytest.raises(ValueError, match="holds no memory"):
         fns.single(xd, batch=8)
+
+
+def test_a_repeated_batch_of_indices_reuses_its_plan_with_each_calls_indices(fns, ranks, monkeypatch):
+    # A training loop's shuffled batches: index arrays of one length reuse the checked plan, and each
+    # call reads its own rows (negative indices from the end); a bad index is still a ValueError,
+    # after which the group goes on; another length or a longer Data is checked again.
+    xs, y = values(20, seed=9)
+    xd, yd = synk.data(xs), synk.data(y)
+    fns.single._plans.clear()
+    checked = []
+    prepare = fns.single._prepare
+
+    def counted(*a, **k):  # a[4]: the batch (a slice, or indices: their count)
+        checked.append(a[4] if isinstance(a[4], slice) else len(a[4]))
+        return prepare(*a, **k)
+
+    monkeypatch.setattr(fns.single, "_prepare", counted)
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        order = rng.permutation(20)[:7]
+        np.testing.assert_allclose(fns.single(xd, batch=order), xs[order].mean(axis=0), rtol=1e-12)
+        np.testing.assert_allclose(fns.f(xd, yd, batch=order)[0], (xs[order] @ y).mean(), rtol=1e-12)
+    wrapped = np.array([-1, -20, 3, 4, 5, 6, 7])
+    np.testing.assert_allclose(fns.single(xd, batch=wrapped), xs[wrapped].mean(axis=0), rtol=1e-12)
+    for bad in ([0, 1, 2, 3, 4, 5, 20], [0, 1, 2, 3, 4, 5, -21]):
+        with pytest.raises(ValueError, match="out of range"):
+            fns.single(xd, batch=np.array(bad))
+    order = rng.permutation(20)[:7]
+    np.testing.assert_allclose(fns.single(xd, batch=order), xs[order].mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(fns.single(xd, batch=order[:5]), xs[order[:5]].mean(axis=0), rtol=1e-12)
+    for batch in [slice(1, 20, 3), order, slice(1, 20, 3)]:  # a stepped slice's indices: its plan is not kept
+        np.testing.assert_allclose(fns.single(xd, batch=batch), xs[batch].mean(axis=0), rtol=1e-12)
+    xs = np.concatenate([xs, values(10, seed=10)[0]])
+    xd.set_value(xs)
+    late = np.array([29, 0, 25, 1, 2, 3, 4])
+    np.testing.assert_allclose(fns.single(xd, batch=late), xs[late].mean(axis=0), rtol=1e-12)
+    assert checked == [7, 5, slice(1, 20, 3), slice(1, 20, 3), 7]  # of 14 calls that ran (two more raised)

@@ -373,6 +373,27 @@ def test_a_rank_on_one_core_computes_jax_calls_on_its_calling_thread(default_bac
     np.testing.assert_allclose(step(synk.data(xd), synk.data(yd)), expected, rtol=1e-6)
 
 
+def test_a_rank_that_computes_inline_waits_for_nothing():
+    """Where JAX computes on the calling thread, a call's values are ready when it returns: the
+    wait does not look at them (a train step has ~40); with asynchronous dispatch it does."""
+    pytest.importorskip("jax")  # the wait looks only where JAX is loaded
+    from synkhronos.device import CpuDevice
+
+    looked_at = []
+
+    def values() -> Any:
+        looked_at.append(True)
+        yield np.zeros(3)
+
+    device = CpuDevice("pytensor")
+    device.inline = True
+    device.wait(values())
+    assert looked_at == []
+    device.inline = False
+    device.wait(values())
+    assert looked_at == [True]
+
+
 @needs_jax
 @pytest.mark.parametrize("case", ["fresh", "jax started", "kept async"])
 def test_compute_on_calling_thread_applies_only_before_jax_starts(case):

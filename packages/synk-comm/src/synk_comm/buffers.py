@@ -38,20 +38,34 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-class _Mapped:
-    """A buffer segment with cached views of its message header."""
+VIEW_LAYOUTS = 16
+"""Message layouts whose views a mapped buffer keeps (a training loop alternates a few: the train
+step's reply, the evaluation's)."""
 
-    __slots__ = ("cache", "meta", "meta_len", "seg", "written")
+
+class _Mapped:
+    """A buffer segment with cached views of its message header and of each layout seen."""
+
+    __slots__ = ("meta", "meta_len", "seg", "views", "written")
 
     def __init__(self, seg: SharedArray) -> None:
         self.seg = seg
         self.meta_len = seg.view(1, np.int64)
         self.meta = seg.view(seg.capacity - 8, np.uint8, 8)
-        self.cache: tuple[bytes, list[np.ndarray]] | None = None  # last message layout and its views
-        self.written: tuple[bytes, list[np.ndarray]] | None = None  # owner: last layout written, its views
+        self.views: dict[bytes, list[np.ndarray]] = {}  # message layout (its pickled meta) -> its views
+        self.written: bytes | None = None  # owner: the layout in the header now
+
+    def views_of(self, meta: bytes, make: Any) -> list[np.ndarray]:
+        """The views of layout ``meta``, made by ``make()`` the first time."""
+        views = self.views.get(meta)
+        if views is None:
+            if len(self.views) >= VIEW_LAYOUTS:
+                self.views.clear()
+            views = self.views[meta] = make()
+        return views
 
     def close(self) -> None:
-        self.cache = None
+        self.views = {}
         del self.meta_len, self.meta
         self.seg.close()
 
@@ -114,15 +128,13 @@ class Buffers:
         fill (nothing is copied: for writers that fill the message piece by piece)."""
         meta, _, offsets = self._layout(arrays)
         mapped = self._own_mapped(k, offsets[-1])
-        if mapped.written is not None and mapped.written[0] is meta:
-            return mapped.written[1]  # same layout as the last message: header and views still hold
-        mapped.meta_len[0] = len(meta)
-        mapped.meta[: len(meta)] = np.frombuffer(meta, np.uint8)
-        self._layouts_written[k] += 1  # read_each's readers look again (ranks racing here still count up)
+        if mapped.written is not meta:  # another layout than the last message's: a new header
+            mapped.meta_len[0] = len(meta)
+            mapped.meta[: len(meta)] = np.frombuffer(meta, np.uint8)
+            mapped.written = meta
+            self._layouts_written[k] += 1  # read_each's readers look again (ranks racing here still count up)
         seg = mapped.seg
-        views = [seg.view(a.shape, a.dtype, off) for a, off in zip(arrays, offsets)]
-        mapped.written = (meta, views)
-        return views
+        return mapped.views_of(meta, lambda: [seg.view(a.shape, a.dtype, off) for a, off in zip(arrays, offsets)])
 
     def publish(self, k: int, arrays: Sequence[np.ndarray]) -> None:
         """Write ``arrays`` (with their dtypes and shapes) into this rank's buffer ``k``."""
@@ -157,15 +169,14 @@ class Buffers:
         """Zero-copy views of the arrays that ``rank`` published in its buffer ``k``."""
         mapped = self._mapped(rank, k)
         meta = mapped.meta[: int(mapped.meta_len[0])].tobytes()
-        if mapped.cache is not None and mapped.cache[0] == meta:
-            return mapped.cache[1]
-        layout = pickle.loads(meta)
-        base = _align(8 + len(meta))
         seg = mapped.seg
-        views = [seg.view(shape, dtype, base + off) if math.prod(shape) else np.empty(shape, dtype)
-                 for dtype, shape, off in layout]
-        mapped.cache = (meta, views)
-        return views
+
+        def make() -> list[np.ndarray]:
+            base = _align(8 + len(meta))
+            return [seg.view(shape, dtype, base + off) if math.prod(shape) else np.empty(shape, dtype)
+                    for dtype, shape, off in pickle.loads(meta)]
+
+        return mapped.views_of(meta, make)
 
     def read_each(self, ranks: Sequence[int], k: int) -> list[list[np.ndarray]]:
         """:meth:`read` of buffer ``k`` of each of ``ranks`` (the same sequence object from call to

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -95,7 +95,7 @@ class Device:
         """Store a value computed by a compiled function (already in this device's memory)."""
         raise NotImplementedError
 
-    def wait(self, values: Sequence[Any]) -> None:
+    def wait(self, values: Iterable[Any]) -> None:
         """Return when ``values`` (computed by compiled functions) are ready: JAX arrays (any
         ``mode="JAX"`` function; JAX dispatches asynchronously) are waited for, numpy ones are."""
         jax = sys.modules.get("jax")
@@ -146,6 +146,13 @@ class CpuDevice(Device):
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return dict(kwargs)
+
+    def wait(self, values: Iterable[Any]) -> None:
+        """Nothing to wait for where JAX computes on the calling thread (:attr:`inline`): a call
+        returns with its results computed (``values`` are not even looked at: asking each of the
+        main job's ~40 values of a train step whether it is ready cost about 45 us a step)."""
+        if not self.inline:
+            super().wait(values)
 
     def compile(self, build: Callable[..., Any], kwargs: dict[str, Any], name: str | None,
                 collectives: bool = False, in_program: bool = False) -> Any:

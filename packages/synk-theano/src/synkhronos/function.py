@@ -154,10 +154,12 @@ class Function:
         known = None if key is None else self._known_plan(rt, key)
         if known is not None:
             plan = known[2]
+            if known[5] is not None:  # a batch of indices: this call's, checked, into the shared index buffer
+                self._write_index_batch(rt, batch, plan, known[5])
         else:
             plan = self._prepare(rt, args, kwargs, self._subset(output_subset), batch, batch_s, num_slices)
             if key is not None:
-                known = self._remember(rt, key, plan)
+                known = self._remember(rt, key, plan, index_batch=type(batch) is np.ndarray)
         if rt.engine is not None:
             with _selection_errors():
                 return self._shape(engine_master.call(rt, self._replica, plan, None if known is None else known[4]),
@@ -176,21 +178,28 @@ class Function:
     def _plan_key(args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any, batch: Any, batch_s: Any,
                   num_slices: Any) -> tuple[Any, ...] | None:
         """The key under which a call's checked plan is kept (see :meth:`_known_plan`), or None for a
-        call whose plan is not kept: keywords, ``num_slices`` > 1, a batch other than None, an int or
-        a slice, or a ``batch_s`` other than None or one slice of int bounds (a training loop's
-        window: the plan holds it whole, and the ranks check it against their rows)."""
+        call whose plan is not kept: keywords, ``num_slices`` > 1, a batch other than None, an int, a
+        slice or a 1-d numpy array of indices (a training loop's shuffled batch: the plan is kept for
+        its length, each call writes its indices), or a ``batch_s`` other than None or one slice of
+        int bounds (a training loop's window: the plan holds it whole, and the ranks check it against
+        their rows)."""
         if kwargs or type(num_slices) is not int or num_slices != 1:
             return None
         if batch_s is not None and not (type(batch_s) is slice and all(
                 v is None or type(v) is int for v in (batch_s.start, batch_s.stop, batch_s.step))):
             return None
-        if batch is not None and type(batch) not in (int, slice):
+        if type(batch) is np.ndarray:
+            if batch.ndim != 1 or batch.dtype.kind not in "iu" or not len(batch):
+                return None  # the full checks say what is wrong (or that an empty batch is)
+            batch_key: Any = ("indices", len(batch))
+        elif batch is not None and type(batch) not in (int, slice):
             return None
+        else:
+            batch_key = (batch.start, batch.stop, batch.step) if type(batch) is slice else batch
         if output_subset is not None and not (type(output_subset) in (list, tuple)
                                               and all(type(i) is int for i in output_subset)):
             return None
         subset_key = None if output_subset is None else tuple(output_subset)
-        batch_key = (batch.start, batch.stop, batch.step) if type(batch) is slice else batch
         window_key = None if batch_s is None else (batch_s.start, batch_s.stop, batch_s.step)
         return (subset_key, batch_key, window_key, *map(id, args))
 
@@ -207,21 +216,38 @@ class Function:
         rt.group.scratch[:len(slots)] = slots
         return known
 
-    def _remember(self, rt: Runtime, key: tuple[Any, ...], plan: calls.CallPlan) -> tuple[Any, ...] | None:
-        """Keep a checked plan under ``key`` (:meth:`_known_plan`); returns what is kept, or None for
-        a plan that reads the shared index buffer (a slice with a step is an index batch): a later
-        call may write other indices there."""
+    def _remember(self, rt: Runtime, key: tuple[Any, ...], plan: calls.CallPlan,
+                  index_batch: bool = False) -> tuple[Any, ...] | None:
+        """Keep a checked plan under ``key`` (:meth:`_known_plan`); returns what is kept.
+
+        A plan that reads the shared index buffer is kept only for a batch of indices
+        (``index_batch``, a numpy array): each later call checks its own indices against the rows
+        of the scattered inputs (kept here, ``known[5]``) and writes them there.  A slice with a
+        step (an index batch too) is not kept."""
+        index_rows = None
         if plan.index_did >= 0:
-            return None
+            if not index_batch or plan.bs_kind:
+                return None
+            scattered = [rt.data[did] for did in plan.data_ids[:len(self._spec.inputs)]]
+            index_rows = min((len(d) for d in scattered if not d.minibatch), default=-1)
         if len(self._plans) >= 64:
             self._plans.clear()
         datas = [(did, weakref.ref(rt.data[did]), rt.data[did].shape, rt.data[did].minibatch)
                  for did in plan.data_ids]
         slots = rt.group.scratch[:calls.CallPlan.length_of(rt.group.scratch, rt.size)].copy()
         reason = (engine_master.reason_of(self._replica, plan),) if rt.engine is not None else None
-        known = (weakref.ref(rt), datas, plan, slots, reason)
+        known = (weakref.ref(rt), datas, plan, slots, reason, index_rows)
         self._plans[key] = known
         return known
+
+    def _write_index_batch(self, rt: Runtime, batch: np.ndarray, plan: calls.CallPlan, rows: int) -> None:
+        """A known plan's batch of indices (:meth:`_remember`): checked against ``rows`` (-1: only
+        minibatch inputs, whose rows the batch's positions read) and written into the shared
+        index buffer, where the plan's ranks read it."""
+        index = calls.as_index_array(batch, "batch")
+        if rows >= 0:
+            index = self._in_range(index, rows, [rt.data[did] for did in plan.data_ids[:len(self._spec.inputs)]])
+        data_registry.write_indices(rt, index)
 
     @staticmethod
     def _still(rt: Runtime, datas: list[tuple[int, weakref.ref[Data], Any, bool]]) -> bool:
@@ -389,16 +415,19 @@ class Function:
             index = calls.as_index_array(batch, "batch")
             total = len(index)
             if limit is not None and total:
-                low = int(np.min(index))
-                if int(np.max(index)) >= limit or low < -limit:
-                    bad = index[(index >= limit) | (index < -limit)][:5].tolist()
-                    raise ValueError(f"batch indices {bad} out of range for inputs of lengths "
-                                     f"{self._lengths(scattered)}")
-                if low < 0:  # negative indices count from the end, as in numpy
-                    index = np.where(index < 0, index + limit, index)
+                index = self._in_range(index, limit, scattered)
             self._check_minibatch(scattered, total)
         index_parts.append(index)
         return 1, 0, total
+
+    def _in_range(self, index: np.ndarray, limit: int, scattered: list[Data]) -> np.ndarray:
+        """``index`` (not empty) with its negative indices counted from the end, as in numpy;
+        ValueError for an index out of range of ``limit`` rows."""
+        low = int(index.min())
+        if int(index.max()) >= limit or low < -limit:
+            bad = index[(index >= limit) | (index < -limit)][:5].tolist()
+            raise ValueError(f"batch indices {bad} out of range for inputs of lengths {self._lengths(scattered)}")
+        return np.where(index < 0, index + limit, index) if low < 0 else index
 
     def _lengths(self, scattered: list[Data]) -> dict[str, int]:
         return {describe(v): len(d) for v, d in zip(self._spec.inputs, scattered)}

@@ -19,6 +19,7 @@ subset is a function of its own, compiled on first use and cached):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import time
@@ -87,7 +88,7 @@ class Replica:
     def wait(self, outputs: Sequence[Any]) -> None:
         """Until ``outputs`` and the updated shared values are computed (GPU mode: JAX dispatches
         asynchronously)."""
-        self.device.wait([*outputs, *(var.container.storage[0] for var, _ in self.spec.updates)])
+        self.device.wait(itertools.chain(outputs, (var.container.storage[0] for var, _ in self.spec.updates)))
 
     def output_variables(self, subset: Subset) -> list[Any]:
         """The outputs of a call with ``subset``, in the call's order."""
