@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "scikit-learn's digits)")
     # The defaults: a deep, narrow MLP whose matrix products are too small for XLA to spread over
     # threads, so that ranks on cores of their own beat one process on all of them (measured on 2
-    # quiet cores, the runs taking turns: a median of 1.50x, docs/guides/cpu.rst; wide layers are
+    # quiet cores, the runs taking turns: a median of 1.5x, docs/guides/cpu.rst; wide layers are
     # split over threads well by XLA, and data parallelism then only matches one process), >= 95%
     # test accuracy on the digits.  Each epoch's last, smaller batch is dropped, as in Lasagne's
     # MNIST example: on the digits (1258 rows) it would be a second step of 234 rows, a whole round
