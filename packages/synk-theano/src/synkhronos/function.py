@@ -64,6 +64,12 @@ def _finish_call(rt: Runtime, own_exc: BaseException | None) -> None:
         raise
 
 
+def _row_limit(scattered: list[Data]) -> int | None:
+    """The rows a batch's indices may address: the shortest scattered input that is not a
+    minibatch Data (None when every one is: there the batch's positions read its rows)."""
+    return min((len(d) for d in scattered if not d.minibatch), default=None)
+
+
 class Function:
     """A data-parallel PyTensor function (made by :func:`synkhronos.function`).
 
@@ -228,8 +234,8 @@ class Function:
         if plan.index_did >= 0:
             if not index_batch or plan.bs_kind:
                 return None
-            scattered = [rt.data[did] for did in plan.data_ids[:len(self._spec.inputs)]]
-            index_rows = min((len(d) for d in scattered if not d.minibatch), default=-1)
+            limit = _row_limit([rt.data[did] for did in plan.data_ids[:len(self._spec.inputs)]])
+            index_rows = -1 if limit is None else limit
         if len(self._plans) >= 64:
             self._plans.clear()
         datas = [(did, weakref.ref(rt.data[did]), rt.data[did].shape, rt.data[did].minibatch)
@@ -381,14 +387,13 @@ class Function:
             if batch is not None:
                 raise ValueError("batch selects rows of scattered inputs; this function has none")
             return 0, 0, 0
-        full = [d for d in scattered if not d.minibatch]
         if batch is None:
             n = len(scattered[0])
             if any(len(d) != n for d in scattered):
                 raise ValueError(f"the scattered inputs have different lengths {self._lengths(scattered)}; pass "
                                  "batch= to select the same rows of each")
             return 0, 0, n
-        limit = min((len(d) for d in full), default=None)
+        limit = _row_limit(scattered)
         if isinstance(batch, (bool, np.bool_)):
             raise TypeError(f"batch must be an int, a slice, or integer indices, got {batch!r}")
         if isinstance(batch, (int, np.integer)):
