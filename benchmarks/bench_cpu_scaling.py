@@ -18,6 +18,11 @@ Usage (repository root, the packages importable)::
     python benchmarks/bench_cpu_scaling.py                 # both tables
     python benchmarks/bench_cpu_scaling.py --only tiny     # the tiny-call table alone
     python benchmarks/bench_cpu_scaling.py --tiny-ranks 2,4,8,16 --only tiny   # oversubscribed too
+    taskset -c 0,1 python benchmarks/bench_cpu_scaling.py --only mlp --rounds 5   # 2 cores, 5 turns
+
+With ``--rounds R`` every MLP configuration runs R times, the configurations taking turns (round
+1 of each, then round 2 of each, ...), so that a machine's drift hits them alike; a cell is the
+median of its R figures, and every figure is printed under the table.
 """
 
 from __future__ import annotations
@@ -236,19 +241,16 @@ def _torch_importable() -> bool:
     return subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
 
 
-def _cell(r: dict[str, Any] | None, key: str | None = None, scale: float = 1e3) -> str:
-    if r is None:
-        return ""
-    if "error" in r:
-        return "error"
-    value = r["result"][key] if key else r["result"] * scale
-    return f"{value:.1f}"
+def _cell(r: dict[str, Any], key: str) -> str:
+    return "error" if "error" in r else f"{r['result'][key]:.1f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=["tiny", "mlp"], default=None)
     parser.add_argument("--tiny-ranks", default=None, help="comma-separated rank counts of the tiny-call table")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the MLP configurations this many times, taking turns; cells are medians")
     parser.add_argument("--one", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -281,23 +283,37 @@ def main() -> None:
             ratio = last["result"]["synk_us"] / first["result"]["synk_us"]
             print(f"\n{tiny_counts[-1]} ranks / {tiny_counts[0]} ranks: {ratio:.2f}x (goal <= 2x)")
     if args.only in (None, "mlp"):
-        rows: dict[str, dict[int, dict[str, Any]]] = {"synkhronos CPU mode": {n: run_one("synk", n) for n in counts}}
-        rows["plain PyTensor, JAX mode, 1 process"] = {1: run_one("JAX", 1)}
-        rows["plain PyTensor, default mode, 1 process"] = {1: run_one("default", 1)}
+        configs = [("synkhronos CPU mode", "synk", n) for n in counts]
+        configs += [("plain PyTensor, JAX mode, 1 process", "JAX", 1),
+                    ("plain PyTensor, default mode, 1 process", "default", 1)]
         if _torch_importable():
-            rows["torch DDP (gloo); n=1: one torch process"] = {n: run_one("ddp", n) for n in counts}
-        for row in rows.values():
-            for r in row.values():
+            configs += [("torch DDP (gloo); n=1: one torch process", "ddp", n) for n in counts]
+        runs: dict[str, dict[int, list[float]]] = {}
+        for _ in range(args.rounds):  # the configurations take turns, round after round
+            for name, kind, n in configs:
+                r = run_one(kind, n)
                 print(json.dumps(r), file=sys.stderr, flush=True)
-        print("\n| MLP SGD step, ms | " + " | ".join(str(n) for n in counts) + " |")
+                if "result" in r:
+                    runs.setdefault(name, {}).setdefault(n, []).append(r["result"] * 1e3)
+        names = list(dict.fromkeys(name for name, _, _ in configs))
+        median = {name: {n: statistics.median(ms) for n, ms in runs.get(name, {}).items()} for name in names}
+        title = "MLP SGD step, ms" + (f" (median of {args.rounds} rounds)" if args.rounds > 1 else "")
+        print(f"\n| {title} | " + " | ".join(str(n) for n in counts) + " |")
         print("|---|" + "---:|" * len(counts))
-        for name, row in rows.items():
-            print(f"| {name} | " + " | ".join(_cell(row.get(n)) for n in counts) + " |")
-        best = {name: min((r["result"], n) for n, r in row.items() if "result" in r)
-                for name, row in rows.items() if any("result" in r for r in row.values())}
+        for name in names:
+            tried = {n for c_name, _, n in configs if c_name == name}
+            print(f"| {name} | " + " | ".join(f"{median[name][n]:.1f}" if n in median[name]
+                                              else "error" if n in tried else "" for n in counts) + " |")
         print()
-        for name, (seconds, n) in best.items():
-            print(f"best of {name}: {seconds * 1e3:.1f} ms ({n} process{'es' if n > 1 else ''})")
+        for name in names:
+            if median[name]:
+                ms, n = min((v, n) for n, v in median[name].items())
+                print(f"best of {name}: {ms:.1f} ms ({n} process{'es' if n > 1 else ''})")
+        if args.rounds > 1:
+            print("\nevery round, ms:")
+            for name in names:
+                for n, ms_list in runs.get(name, {}).items():
+                    print(f"  {name}, {n}: " + ", ".join(f"{v:.1f}" for v in ms_list))
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
 
 
