@@ -24,7 +24,7 @@ from synk_testutil import TIMEOUT, USE_GPU, TwiceInPython, assert_no_workers_lef
 
 import synkhronos as synk
 from synk_comm import WorkerError, cores
-from synkhronos import cpu, ops
+from synkhronos import blas, cpu, ops
 from synkhronos.runtime import current
 
 pytestmark = [pytest.mark.timeout(TIMEOUT),
@@ -88,6 +88,8 @@ def test_jax_backend_computes_as_plain_pytensor(default_backend_choice):
     got = float(f(synk.data(xd), synk.data(yd)))
     assert current().device.backend == "jax"
     assert f._replica.full().mode == "JAX"  # the master's share ran in JAX mode
+    if len(os.sched_getaffinity(0)) == 2 and cpu.pinning_enabled() and blas.available():  # a core each: the BLAS
+        assert any(isinstance(node.op, blas.BlasDot) for node in f._replica.full().fn.maker.fgraph.apply_nodes)
     for pid in worker_pids():
         assert worker_environ(pid)[cpu.BACKEND_ENV] == "jax"
     np.testing.assert_allclose(got, expected, rtol=1e-12)

@@ -8,6 +8,7 @@ session 18).  It needs JAX and a C++ compiler (``c++``, C++17); without either
 
 =============================  ==============================================================
 :func:`available`              whether the handler is (or can be) built and registered here
+:func:`register_handler`       build, load and register any FFI handler source (also others')
 :class:`Segment`               the group's shared segment: counters, weights, buffers
 :func:`all_reduce`             the JAX expression: ``op`` over every rank's array, in a program
 =============================  ==============================================================
@@ -42,7 +43,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_RANKS", "OPS", "Segment", "all_reduce", "available"]
+__all__ = ["MAX_RANKS", "OPS", "Segment", "all_reduce", "available", "build_handler", "register_handler"]
 
 SOURCE = Path(__file__).with_name("xla_cpu_all_reduce.cc")
 TARGET = "synk_comm_all_reduce"
@@ -64,15 +65,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "synk_comm"
 
 
-def _build() -> Path:
-    """The handler's shared library, built once per source and jaxlib version (several processes
-    may build at once: each writes a file of its own and renames it into place)."""
+def build_handler(source: Path) -> Path:
+    """The shared library of the XLA FFI handler(s) in the C++ file ``source``, built with the
+    machine's C++ compiler (``c++``, or ``$CXX``; C++17) against jaxlib's FFI headers, once per
+    source and jaxlib version, into :func:`cache_dir` (several processes may build at once: each
+    writes a file of its own and renames it into place).
+
+    Raises
+    ------
+    RuntimeError
+        Without a C++ compiler, or when the build fails (with the compiler's messages).
+    """
     import jax.ffi
     import jaxlib
 
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + jaxlib.__version__.encode()).hexdigest()[:16]
-    library = cache_dir() / f"xla_cpu_all_reduce-{key}.so"
+    key = hashlib.sha256(source.read_bytes() + jaxlib.__version__.encode()).hexdigest()[:16]
+    library = cache_dir() / f"{source.stem}-{key}.so"
     if library.exists():
         return library
     compiler = shutil.which(os.environ.get("CXX", "c++"))
@@ -83,13 +91,29 @@ def _build() -> Path:
     os.close(fd)
     try:
         subprocess.run([compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
-                        str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+                        str(source), "-o", tmp], check=True, capture_output=True, text=True)
         os.replace(tmp, library)
     except subprocess.CalledProcessError as exc:
-        raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{exc.stderr}") from exc
+        raise RuntimeError(f"{compiler} failed on {source.name}:\n{exc.stderr}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return library
+
+
+def register_handler(source: Path, symbol: str, target: str) -> ctypes.CDLL:
+    """Build ``source`` (:func:`build_handler`), load it, and register its handler ``symbol``
+    (an ``XLA_FFI_DEFINE_HANDLER_SYMBOL``) with JAX as the CPU custom call ``target``.
+
+    Raises
+    ------
+    RuntimeError
+        As :func:`build_handler`; ImportError without JAX.
+    """
+    import jax
+
+    library = ctypes.cdll.LoadLibrary(str(build_handler(source)))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     return library
 
 
@@ -98,11 +122,8 @@ def available() -> bool:
     first call; False, with one log line saying why, without JAX or a compiler)."""
     if "ok" not in _state:
         try:
-            import jax
-
-            library = ctypes.cdll.LoadLibrary(str(_build()))
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SynkCommAllReduce), platform="cpu")
-            _state["ok"], _state["library"] = True, library
+            _state["library"] = register_handler(SOURCE, "SynkCommAllReduce", TARGET)
+            _state["ok"] = True
         except Exception as exc:  # no JAX, no compiler, a failed build: the caller's other path
             log.info("synk_comm.xla_cpu: the in-program all-reduce is not available (%s)", exc)
             _state["ok"] = False

@@ -9,6 +9,10 @@ Backend
     ``=pytensor`` forces the choice.  A function that JAX cannot compile or run (an Op without a
     JAX implementation, a shape JAX cannot trace) falls back to the default mode, with one log
     line (:class:`JaxOrDefault`).
+Matrix products
+    A rank pinned to one core computes the products of float matrices with numpy's BLAS inside
+    its JAX programs (:mod:`synkhronos.blas`; ``SYNK_CPU_BLAS=0`` or ``=1``: in no rank, in every
+    rank).
 Cores
     With at most as many ranks as cores, every rank runs on its own disjoint set of cores
     (:mod:`synk_comm.cores`); ``SYNK_CPU_PIN=0`` turns it off.  A rank pinned to one core
@@ -325,9 +329,11 @@ class JaxOrDefault:
     fall_back_on_run : bool
         False for a function whose all-reduces run inside its JAX program (the other ranks wait
         for this one there): a failed call raises instead of running again in the default mode.
+    jax_mode : str or Mode
+        The JAX mode to compile in: ``"JAX"``, or CPU ranks' :func:`synkhronos.blas.jax_mode`.
     """
 
-    def __init__(self, compile_fn: Any, name: str, fall_back_on_run: bool = True) -> None:
+    def __init__(self, compile_fn: Any, name: str, fall_back_on_run: bool = True, jax_mode: Any = "JAX") -> None:
         self._compile_fn = compile_fn
         self._name = name
         self._fall_back_on_run = fall_back_on_run
@@ -336,7 +342,7 @@ class JaxOrDefault:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=SKIPPED_ASSERT)
-                self.fn = compile_fn("JAX")
+                self.fn = compile_fn(jax_mode)
         except Exception as exc:  # an Op without a JAX implementation, or JAX not working here
             self._fall_back(exc, "compile")
             return

@@ -135,14 +135,17 @@ class CpuDevice(Device):
         self.computes_in_jax = backend == "jax"
         self.inline = False
         """Whether JAX computes this rank's calls on the calling thread (see ``one_core``)."""
+        self.jax_mode: Any = "JAX"
+        """The mode of this rank's JAX-compiled functions (:func:`synkhronos.blas.jax_mode`)."""
         if backend == "jax":
-            from synkhronos import cpu
+            from synkhronos import blas, cpu
 
             cpu.use_cpu_platform()
             self.inline = one_core and cpu.compute_on_calling_thread()
             cpu.enable_x64_if_float64()
             cpu.backport_jax_arange()
             cpu.quiet_x64_truncation()
+            self.jax_mode = blas.jax_mode(one_core)
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return dict(kwargs)
@@ -175,7 +178,7 @@ class CpuDevice(Device):
             return reading_numpy(build(**kwargs))
         in_segment = collectives and in_program and self.all_reduce_segment is not None
         return JaxOrDefault(lambda mode: build(**kwargs) if mode is None else build(**kwargs, mode=mode),
-                            name or "(unnamed)", fall_back_on_run=not in_segment)
+                            name or "(unnamed)", fall_back_on_run=not in_segment, jax_mode=self.jax_mode)
 
     def in_graph_collectives_pay(self, own_mode: bool = False) -> bool:
         """With in-program all-reduces (:attr:`all_reduce_segment`), a step of one function pays."""
