@@ -130,15 +130,34 @@ def test_a_bad_synk_cpu_blas_is_an_error_that_says_what_to_use(monkeypatch):
         blas.wanted(True)
 
 
-def test_the_rewrite_leaves_products_it_cannot_take():
-    """Integer, mixed-dtype and vector products stay :class:`Dot` (the rewrite declines them)."""
+def product_node(out):
+    """The :class:`Dot` node under ``out`` (a matrix-vector product is a one-column matrix product
+    under a squeeze)."""
+    node = out.owner
+    while not isinstance(node.op, Dot):
+        node = node.inputs[0].owner
+    return node
+
+
+def test_the_rewrite_declines_integer_and_mixed_dtype_products():
+    """Integer and mixed-dtype products stay :class:`Dot`; a matrix-vector product's one-column
+    matrix product is taken."""
     i, j = pt.lmatrix("i"), pt.lmatrix("j")
     a, b = pt.matrix("a", dtype="float32"), pt.matrix("b", dtype="float64")
-    v = pt.vector("v", dtype="float32")
-    for left, right in ((i, j), (a, b), (a, v)):
-        node = pt.dot(left, right).owner
-        if isinstance(node.op, Dot):
-            assert blas.use_blas_dot.transform(None, node) is None
+    for left, right in ((i, j), (a, b)):
+        assert blas.use_blas_dot.transform(None, product_node(pt.dot(left, right))) is None
+    node = product_node(pt.dot(a, pt.vector("v", dtype="float32")))
+    (out,) = blas.use_blas_dot.transform(None, node)
+    assert isinstance(out.owner.op, blas.BlasDot) and out.type.shape[1] == 1
+
+
+@needs_blas
+def test_a_matrix_vector_product_computes_as_numpy():
+    a_val, v_val = operands((5, 7), (7,), "float32")
+    a, v = pt.matrix("a", dtype="float32"), pt.vector("v", dtype="float32")
+    f = pytensor.function([a, v], pt.dot(a, v), mode=blas.jax_mode(one_core=True))
+    assert any(isinstance(op, blas.BlasDot) for op in ops_of(f))
+    np.testing.assert_allclose(np.asarray(f(a_val, v_val)), a_val @ v_val, rtol=1e-5)
 
 
 def test_blas_dot_refuses_what_it_cannot_multiply():

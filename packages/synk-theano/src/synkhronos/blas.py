@@ -111,9 +111,10 @@ class BlasDot(Op):
         a, b = inputs
         outputs[0][0] = np.asarray((a.T if self.trans_a else a) @ (b.T if self.trans_b else b), dtype=a.dtype)
 
-    def infer_shape(self, fgraph: Any, node: Apply, shapes: list[Any]) -> list[Any]:
-        """``(m, n)``: the rows of ``op(a)``, the columns of ``op(b)``."""
-        (a0, a1), (b0, b1) = shapes
+    def infer_shape(self, *args: Any) -> list[Any]:
+        """``(m, n)``: the rows of ``op(a)``, the columns of ``op(b)`` (the input shapes come
+        last: PyTensor 3.0 passes ``fgraph, node, shapes``, 3.3 ``node, shapes``)."""
+        (a0, a1), (b0, b1) = args[-1]
         return [(a1 if self.trans_a else a0, b0 if self.trans_b else b1)]
 
 

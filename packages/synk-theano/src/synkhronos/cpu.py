@@ -174,7 +174,9 @@ def compute_on_calling_thread() -> bool:
     CPU client in this process (its dispatch is fixed then: a master that used JAX before
     :func:`synkhronos.fork` keeps it, and so does the rest of this process after
     :func:`synkhronos.close` where it applied).  It changes when JAX's results are ready, never
-    what they are.
+    what they are, and it is not a promise that they are ready when a call returns: JAX copies an
+    input of more than 100 KB on a thread of its own and may run the program there, after the call
+    (:meth:`synkhronos.device.Device.wait`).
     """
     if _env_flag(ASYNC_ENV, False):
         return False
