@@ -184,6 +184,26 @@ def test_ranks_pair_in_program_when_jax_copies_their_inputs_on_its_own_thread(de
     np.testing.assert_allclose(synk.get_value(1, w), w.get_value())
 
 
+@needs_jax
+def test_a_function_without_outputs_reads_its_data_before_the_call_returns(default_backend_choice):
+    """A function of updates only, its Data rewritten right after each call (a training loop
+    filling one buffer with the next batch): each call sums the rows it was given.  JAX copies an
+    input of more than 100 KB on a thread of its own (jaxlib 0.10), so a rank waits for its
+    program before the call returns (before, some calls summed the next call's rows)."""
+    rows = 2 * 30001  # 120 KB of float32 a rank; rank 1's rows start off a 64-byte boundary
+    x = pt.vector("x", dtype="float32")
+    total = pytensor.shared(np.zeros((), "float32"), name="total")
+    synk.fork(2, use_gpu=False)
+    count = synk.function([x], updates=[(total, total + x.sum())])
+    data_x = synk.data(np.zeros(rows, "float32"))
+    expected = 0
+    for k in range(200):
+        data_x[:] = k % 2
+        count(data_x)
+        expected += (k % 2) * rows
+    assert float(total.get_value()) + float(synk.get_value(1, total)) == expected
+
+
 def stalled_sum(fail_rank: int, seconds: float = 0.0) -> Any:
     """``f(x)``: the sum of ``x`` over the ranks, all-reduced inside the program after a host step
     (:class:`synk_engine_ops.Stall`) that waits ``seconds`` and, in rank ``fail_rank`` only, raises

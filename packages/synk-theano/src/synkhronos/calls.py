@@ -208,11 +208,17 @@ def execute(rt: Runtime, plan: CallPlan) -> tuple[float, list[Any]]:
 def compute(rt: Runtime, rep: Replica, weight: float, run: Callable[[], list[Any]]) -> list[Any]:
     """``run()`` (this rank's compute of ``rep``), inside the call's context when the graph holds
     in-graph collectives (:mod:`synkhronos.ops`), until its results are ready: under JAX the
-    collectives run in host callbacks, which must end before this rank's next use of the group.
-    With one rank the collectives are the identity: nothing to enter, nothing to wait for (a wait
-    on every updated value also holds the host until the step ends)."""
+    collectives run in host callbacks or inside the program, which must end before this rank's
+    next use of the group.  With one rank the collectives are the identity: nothing to enter.
+
+    Every call waits for its values (:meth:`synkhronos.device.Device.wait`), collectives or not:
+    JAX may still be copying an input from the Data's shared memory when the call returns
+    (jaxlib 0.10: a function without outputs, whose Data the user rewrote right after the call,
+    summed some of the next call's rows)."""
     if not rep.has_collectives or rt.size == 1:
-        return run()
+        outputs = run()
+        rep.wait(outputs)
+        return outputs
     segment = rt.device.all_reduce_segment if rep.all_reduces_in_program else None
     if segment is not None:  # all-reduces inside the JAX program read this rank's weight there
         segment.set_weight(rt.rank, weight)
