@@ -185,22 +185,27 @@ def test_ranks_pair_in_program_when_jax_copies_their_inputs_on_its_own_thread(de
 
 
 @needs_jax
-def test_a_function_without_outputs_reads_its_data_before_the_call_returns(default_backend_choice):
-    """A function of updates only, its Data rewritten right after each call (a training loop
-    filling one buffer with the next batch): each call sums the rows it was given.  JAX copies an
-    input of more than 100 KB on a thread of its own (jaxlib 0.10), so a rank waits for its
-    program before the call returns (before, some calls summed the next call's rows)."""
+@pytest.mark.parametrize("with_output", [False, True], ids=["updates only", "an output too"])
+def test_a_function_reads_its_data_before_the_call_returns(default_backend_choice, with_output):
+    """A function of updates (and an output or not), its Data rewritten right after each call (a
+    training loop filling one buffer with the next batch): each call sums the rows it was given.
+    JAX copies an input of more than 100 KB on a thread of its own (jaxlib 0.10), so a rank's
+    program ends before the call returns (before, a function without outputs summed some of the
+    next call's rows)."""
     rows = 2 * 30001  # 120 KB of float32 a rank; rank 1's rows start off a 64-byte boundary
     x = pt.vector("x", dtype="float32")
     total = pytensor.shared(np.zeros((), "float32"), name="total")
     synk.fork(2, use_gpu=False)
-    count = synk.function([x], updates=[(total, total + x.sum())])
+    count = synk.function([x], outputs=(x.sum(), "sum") if with_output else None,
+                          updates=[(total, total + x.sum())])
     data_x = synk.data(np.zeros(rows, "float32"))
     expected = 0
     for k in range(200):
         data_x[:] = k % 2
-        count(data_x)
+        out = count(data_x)
         expected += (k % 2) * rows
+        if with_output:
+            assert float(out) == (k % 2) * rows
     assert float(total.get_value()) + float(synk.get_value(1, total)) == expected
 
 

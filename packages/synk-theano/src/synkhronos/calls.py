@@ -211,13 +211,16 @@ def compute(rt: Runtime, rep: Replica, weight: float, run: Callable[[], list[Any
     collectives run in host callbacks or inside the program, which must end before this rank's
     next use of the group.  With one rank the collectives are the identity: nothing to enter.
 
-    Every call waits for its values (:meth:`synkhronos.device.Device.wait`), collectives or not:
-    JAX may still be copying an input from the Data's shared memory when the call returns
-    (jaxlib 0.10: a function without outputs, whose Data the user rewrote right after the call,
-    summed some of the next call's rows)."""
+    Every call ends with its program, collectives or not: JAX may still be copying an input from
+    the Data's shared memory when the call returns (jaxlib 0.10: a function without outputs, whose
+    Data the user rewrote right after the call, summed some of the next call's rows).  Without
+    collectives, reading the outputs (:func:`reply`) waits for it: one execution's values are ready
+    together; a call without outputs waits for its updated values here
+    (:meth:`synkhronos.device.Device.wait`; a batched wait costs about 7 us even for one value)."""
     if not rep.has_collectives or rt.size == 1:
         outputs = run()
-        rep.wait(outputs)
+        if not outputs:
+            rep.wait(outputs)
         return outputs
     segment = rt.device.all_reduce_segment if rep.all_reduces_in_program else None
     if segment is not None:  # all-reduces inside the JAX program read this rank's weight there
