@@ -101,13 +101,13 @@ def test_jax_backend_computes_as_plain_pytensor(default_backend_choice):
         np.testing.assert_array_equal(synk.get_value(1, var), value)
 
 
-def all_reduced_step(n_ranks: int, n_rows: int = 300) -> tuple:
+def all_reduced_step(n_ranks: int) -> tuple:
     """The regression step with its gradients all-reduced (avg) in the graph, in a fork of
     ``n_ranks`` CPU ranks, and plain PyTensor's full-batch step as its reference:
     ``(f, params, reference, reference_params, (x_data, y_data), (xs, ys))``."""
     from synkhronos import ops
 
-    xd, yd = data(n_rows)
+    xd, yd = data()
     ref_inputs, ref_loss, _, ref_params = regression_step()
     ref_grads = pytensor.grad(ref_loss, list(ref_params))
     reference = pytensor.function(ref_inputs, ref_loss,
@@ -433,7 +433,6 @@ def test_a_rank_that_computes_inline_still_waits_for_its_values():
     program whose input it is still copying): the wait blocks on every value, numpy ones pass
     (before, an inline master skipped it, cleared its all-reduce weight before its deferred
     program read it, and its peer waited in the all-reduce forever)."""
-    pytest.importorskip("jax")  # the wait blocks only where JAX is loaded
     from synkhronos.device import CpuDevice
 
     class Pending:
