@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2 | tiny16 | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2 | tiny2 | tiny16 | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -128,6 +128,17 @@ if [ "$what" = cpu2 ]; then
 fi
 # The tiny call at 2 and 16 ranks on the machine's 16 cores, three times, then where its time goes;
 # with BASE=<dir holding another tree's packages/> (carried), that tree's run before each of ours
+if [ "$what" = tiny2 ]; then  # the tiny call at 2 ranks on 2 physical cores, the trees taking turns (BASE=)
+  two=${CORES:-$(cd benchmarks && python3 -c "from machine import physical_cores; print(','.join(map(str, physical_cores(2))))")}
+  trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
+  for i in $(seq "${RUNS:-3}"); do
+    for tree in "${trees[@]}"; do
+      echo "== tree $tree, run $i, cores $two"
+      PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 100 \
+        python3 benchmarks/bench_cpu_scaling.py --only tiny 2>/dev/null | tee -a "$OUT/tiny_2cores.log" || status=1
+    done
+  done
+fi
 if [ "$what" = tiny16 ]; then
   trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
   for i in 1 2 3; do

@@ -109,7 +109,7 @@ class Buffers:
         return mapped
 
     def _layout(self, arrays: Sequence[np.ndarray]) -> tuple[bytes, int, list[int]]:
-        key = tuple((a.dtype, a.shape) for a in arrays)
+        key = tuple([(a.dtype, a.shape) for a in arrays])
         layout = self._layouts.get(key)
         if layout is None:
             offsets, offset = [], 0

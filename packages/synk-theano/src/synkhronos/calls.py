@@ -56,7 +56,7 @@ class CallPlan:
     num_slices: int
     batch_kind: int
     batch_start: int
-    data_ids: list[int]
+    data_ids: Sequence[int]
     subset: tuple[int, ...] | None
     positions: np.ndarray  # (size, 2)
     bs_kind: int = 0
@@ -89,18 +89,26 @@ def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
 
 
 def decode(scratch: np.ndarray, size: int) -> CallPlan:
-    """Read the plan that :func:`encode` wrote."""
+    """Read the plan that :func:`encode` wrote.  A plan read before (a training loop calls the same
+    plan again and again) comes from a cache whose key is the plan's slots, bytes for bytes: one
+    comparison instead of a decoding.  Its arrays are read-only: every call of the plan shares them."""
+    return _decode_slots(scratch[:CallPlan.length_of(scratch, size)].tobytes(), size)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_slots(slots: bytes, size: int) -> CallPlan:
+    scratch = np.frombuffer(slots, dtype=np.int64)  # read-only: so are the plan's arrays, views of it
     fid, num_slices, batch_kind, batch_start, bs_kind, n_data, n_sub, index_did, _ = scratch[:HEADER].tolist()
     i = HEADER
-    data_ids = scratch[i:i + n_data].tolist()
+    data_ids = tuple(scratch[i:i + n_data].tolist())
     i += n_data
     subset = None
     if n_sub >= 0:
         subset = tuple(scratch[i:i + n_sub].tolist())
         i += n_sub
-    positions = scratch[i:i + 2 * size].reshape(size, 2).copy()
+    positions = scratch[i:i + 2 * size].reshape(size, 2)
     i += 2 * size
-    bs = scratch[i:i + 3 * size].reshape(size, 3).copy() if bs_kind else None
+    bs = scratch[i:i + 3 * size].reshape(size, 3) if bs_kind else None
     return CallPlan(fid, num_slices, batch_kind, batch_start, data_ids, subset, positions, bs_kind, bs,
                     index_did)
 

@@ -260,7 +260,9 @@ class Function:
         """Whether the Data of a known plan are still registered, of the same shapes and kinds."""
         for did, ref, shape, minibatch in datas:
             d = ref()
-            if d is None or rt.data.get(did) is not d or d.shape != shape or d.minibatch != minibatch:
+            if d is None:
+                return False
+            if rt.data.get(did) is not d or d.shape != shape or d.minibatch != minibatch:
                 return False
         return True
 
@@ -294,12 +296,14 @@ class Function:
         shares[rt.rank] = own
         ordered = [shares[r] for r in range(rt.size)]
         weights = [float(s[0]) for s in ordered]
+        ops = self._spec.output_ops if plan.subset is None else self._replica.output_ops(plan.subset)
         results = []
-        for i, op in enumerate(self._replica.output_ops(plan.subset)):
-            values = [s[1 + i] if len(s) > 1 else _EMPTY for s in ordered]
-            out = combine(op, values, weights, what=f"output {i}")
-            # a lone part may be returned as it is: a worker's is a view of its buffer
-            results.append(out.copy() if any(out is v for r, v in enumerate(values) if r != rt.rank) else out)
+        for i, op in enumerate(ops, 1):
+            values = [s[i] if len(s) > 1 else _EMPTY for s in ordered]
+            out = combine(op, values, weights, what=f"output {i - 1}")
+            if out is not values[rt.rank] and any(out is v for v in values):
+                out = out.copy()  # a worker's lone part, returned as it is, is a view of its buffer
+            results.append(out)
         return self._shape(results, plan)
 
     def _shape(self, results: list[Any], plan: calls.CallPlan) -> Any:

@@ -117,8 +117,10 @@ def _combine_host(op: str, values: Sequence[Any], weights: Sequence[float], what
         # real scalars (a loss, an accuracy), the common case: summed in float64 by Python, no numpy
         # call per part (stacking and a BLAS dot cost more than the sum itself), rounded once;
         # a long double keeps numpy's path, in its own precision
-        total = sum(kept)
-        return np.asarray(sum(float(a) * w for a, w in zip(arrays, kept)) / total, dtype=first.dtype)
+        acc = 0.0
+        for a, w in zip(arrays, kept):
+            acc += float(a) * w
+        return np.asarray(acc / sum(kept), dtype=first.dtype)
     stacked = np.array(arrays)
     if op == "avg":
         dtype = first.dtype if first.dtype.kind in "fc" else np.dtype(np.float64)

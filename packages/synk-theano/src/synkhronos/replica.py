@@ -222,8 +222,11 @@ class Replica:
         spec = self.spec
         if num_slices == 1 and sliceable_rows is None:
             outs = self.full(subset)(*scattered, *bcast)
-            outs = self._in_declared(("outputs", subset), outs if isinstance(outs, list) else [outs],
-                                     self.output_variables(subset))
+            if not isinstance(outs, list):
+                outs = [outs]
+            kind = ("outputs", subset)
+            if kind not in self._exact:  # once a call found them declared, they stay so
+                outs = self._in_declared(kind, outs, self.output_variables(subset))
             self.settle_updates()
             return outs
         device = self.device
