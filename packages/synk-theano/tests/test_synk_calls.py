@@ -413,3 +413,32 @@ def test_a_repeated_batch_of_indices_reuses_its_plan_with_each_calls_indices(fns
     late = np.array([29, 0, 25, 1, 2, 3, 4])
     np.testing.assert_allclose(fns.single(xd, batch=late), xs[late].mean(axis=0), rtol=1e-12)
     assert checked == [7, 5, slice(1, 20, 3), slice(1, 20, 3), 7]  # of 14 calls that ran (two more raised)
+
+
+def _plan_fields(plan):
+    return (plan.fid, plan.num_slices, plan.batch_kind, plan.batch_start, list(plan.data_ids), plan.subset,
+            plan.positions.tolist(), plan.bs_kind, None if plan.bs is None else plan.bs.tolist(), plan.index_did)
+
+
+def test_a_worker_decodes_each_plan_as_encoded_and_shares_a_plan_seen_before_read_only():
+    from synkhronos import calls
+
+    size = 3
+    scratch = np.full(64, -5, dtype=np.int64)  # leftovers of earlier plans beyond a plan's slots
+    short = calls.CallPlan(fid=2, num_slices=1, batch_kind=0, batch_start=5, data_ids=[7, 8], subset=(1, 0),
+                           positions=calls.normalise_positions(10, size))
+    long = calls.CallPlan(fid=3, num_slices=2, batch_kind=1, batch_start=0, data_ids=[7, 8, 9], subset=None,
+                          positions=calls.normalise_positions(11, size), bs_kind=1,
+                          bs=np.array([[0, 4, 1], [calls.NONE, 9, 2], [1, calls.NONE, calls.NONE]]), index_did=4)
+    decoded = {}
+    for name, plan in [("short", short), ("long", long), ("short", short)]:
+        calls.encode(plan, scratch, size)
+        got = calls.decode(scratch, size)
+        assert _plan_fields(got) == _plan_fields(plan)
+        if name in decoded:  # seen before: the same plan object, whatever the slots beyond it hold
+            assert got is decoded[name]
+        decoded[name] = got
+    assert decoded["short"] is not decoded["long"]
+    for arr in (decoded["long"].positions, decoded["long"].bs):
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0, 0] = 1

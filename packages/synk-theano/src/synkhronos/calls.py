@@ -86,6 +86,8 @@ def encode(plan: CallPlan, scratch: np.ndarray, size: int) -> None:
     if plan.bs_kind:
         assert plan.bs is not None
         scratch[i + 2 * size:i + 5 * size] = plan.bs.reshape(-1)
+    else:  # every slot of a plan written: equal plans, equal slots (the workers' cache key, :func:`decode`)
+        scratch[i + 2 * size:i + 5 * size] = 0
 
 
 def decode(scratch: np.ndarray, size: int) -> CallPlan:
