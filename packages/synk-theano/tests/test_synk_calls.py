@@ -415,6 +415,23 @@ def test_a_repeated_batch_of_indices_reuses_its_plan_with_each_calls_indices(fns
     assert checked == [7, 5, slice(1, 20, 3), slice(1, 20, 3), 7]  # of 14 calls that ran (two more raised)
 
 
+@pytest.mark.parametrize("op", ["avg", "sum", "max"])
+def test_combining_refuses_parts_of_different_shapes_and_returns_a_lone_part_as_it_is(op):
+    from synkhronos.reduce_ops import combine
+
+    parts, weights = [np.arange(3.0) * (r + 1) for r in range(4)], [1.0, 2.0, 3.0, 4.0]
+    expected = {"avg": sum(p * w for p, w in zip(parts, weights)) / sum(weights), "sum": sum(parts),
+                "max": np.max(parts, axis=0)}[op]
+    np.testing.assert_allclose(combine(op, parts, weights), expected, rtol=1e-12)
+    with pytest.raises(ValueError, match=r"output 2 \(op .*different shapes.*\[\(2,\), \(3,\)\]"):
+        combine(op, [np.zeros(2), np.zeros(3)], [1.0, 2.0], what="output 2")
+    with pytest.raises(ValueError, match="different shapes"):
+        combine(op, [np.zeros(()), np.zeros(1)], [1.0, 1.0])
+    lone = np.arange(3.0)
+    assert combine(op, [np.zeros(5), lone, np.ones(7)], [0.0, 2.0, 0.0]) is lone  # parts of weight 0: unread
+    with pytest.raises(ValueError, match="no part computed"):
+        combine(op, [lone, lone], [0.0, 0.0])
+
 def _plan_fields(plan):
     return (plan.fid, plan.num_slices, plan.batch_kind, plan.batch_start, list(plan.data_ids), plan.subset,
             plan.positions.tolist(), plan.bs_kind, None if plan.bs is None else plan.bs.tolist(), plan.index_did)

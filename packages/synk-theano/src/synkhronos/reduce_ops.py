@@ -99,37 +99,40 @@ def combine(op: str, values: Sequence[Any], weights: Sequence[float], xp: Any = 
 def _combine_host(op: str, values: Sequence[Any], weights: Sequence[float], what: str) -> np.ndarray:
     """:func:`combine` of numpy values by a reduce op (not gather): one numpy operation over the
     parts stacked, whatever their number (a call's hot path in the master, one part per rank)."""
-    arrays, kept = [], []
-    for v, w in zip(values, weights):
-        if w > 0:
-            arrays.append(np.asarray(v))
-            kept.append(w)
-    if not arrays:
-        raise ValueError("no part computed anything (every rank had 0 rows)")
-    first = arrays[0]
-    if len(arrays) == 1:
+    if weights and min(weights) > 0:  # every part computed (the common case): nothing to skip
+        parts, kept = values, weights
+    else:
+        parts = [v for v, w in zip(values, weights) if w > 0]
+        kept = [w for w in weights if w > 0]
+        if not parts:
+            raise ValueError("no part computed anything (every rank had 0 rows)")
+    first = np.asarray(parts[0])
+    if len(parts) == 1:
         return first
-    shape = first.shape
-    for a in arrays:
-        if a.shape != shape:
-            common_shape(op, [a.shape for a in arrays], what)  # raises, naming the shapes
-    if op == "avg" and not shape and first.dtype.kind == "f" and first.dtype.itemsize <= 8:
-        # real scalars (a loss, an accuracy), the common case: summed in float64 by Python, no numpy
-        # call per part (stacking and a BLAS dot cost more than the sum itself), rounded once;
-        # a long double keeps numpy's path, in its own precision
+    try:
+        stacked = np.array(parts)
+    except ValueError:  # numpy refuses parts of different shapes
+        stacked = None
+    if stacked is None or stacked.shape[1:] != first.shape:
+        common_shape(op, [np.shape(a) for a in parts], what)  # raises, naming the shapes
+    assert stacked is not None
+    shape, dtype = first.shape, first.dtype
+    if op == "avg" and not shape and stacked.dtype.kind == "f" and stacked.dtype.itemsize <= 8:
+        # real scalars (a loss, an accuracy), the common case: summed in float64 by Python (no
+        # BLAS call: it costs more than the sum itself), rounded once to their dtype; a long
+        # double keeps numpy's path, in its own precision
         acc = 0.0
-        for a, w in zip(arrays, kept):
-            acc += float(a) * w
-        return np.asarray(acc / sum(kept), dtype=first.dtype)
-    stacked = np.array(arrays)
+        for a, w in zip(stacked.tolist(), kept):
+            acc += a * w
+        return np.asarray(acc / sum(kept), dtype=dtype)
     if op == "avg":
-        dtype = first.dtype if first.dtype.kind in "fc" else np.dtype(np.float64)
+        dtype = dtype if dtype.kind in "fc" else np.dtype(np.float64)
         total = sum(kept)
         scale = np.array([w / total for w in kept], dtype=dtype)
         if not shape:  # complex, integer or long double scalars: one dot product
             return np.asarray(stacked @ scale, dtype=dtype)
         return np.asarray((scale @ stacked.reshape(len(kept), -1)).reshape(shape), dtype=dtype)
-    return np.asarray(NUMPY_OPS[op].reduce(stacked, axis=0), dtype=first.dtype)
+    return np.asarray(NUMPY_OPS[op].reduce(stacked, axis=0), dtype=dtype)
 
 
 def identity(op: str, dtype: Any) -> Any:
