@@ -432,6 +432,7 @@ def test_combining_refuses_parts_of_different_shapes_and_returns_a_lone_part_as_
     with pytest.raises(ValueError, match="no part computed"):
         combine(op, [lone, lone], [0.0, 0.0])
 
+
 def _plan_fields(plan):
     return (plan.fid, plan.num_slices, plan.batch_kind, plan.batch_start, list(plan.data_ids), plan.subset,
             plan.positions.tolist(), plan.bs_kind, None if plan.bs is None else plan.bs.tolist(), plan.index_did)
