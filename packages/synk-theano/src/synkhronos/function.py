@@ -296,9 +296,8 @@ class Function:
         shares[rt.rank] = own
         ordered = [shares[r] for r in range(rt.size)]
         weights = [float(s[0]) for s in ordered]
-        ops = self._spec.output_ops if plan.subset is None else self._replica.output_ops(plan.subset)
         results = []
-        for i, op in enumerate(ops, 1):
+        for i, op in enumerate(self._replica.output_ops(plan.subset), 1):
             values = [s[i] if len(s) > 1 else _EMPTY for s in ordered]
             out = combine(op, values, weights, what=f"output {i - 1}")
             if out is not values[rt.rank] and any(out is v for v in values):

@@ -95,10 +95,11 @@ class Replica:
         outs = self.spec.outputs
         return list(outs) if subset is None else [outs[i] for i in subset]
 
-    def output_ops(self, subset: Subset) -> list[str]:
-        """Their reduce ops, in the same order."""
+    def output_ops(self, subset: Subset) -> Sequence[str]:
+        """Their reduce ops, in the same order (all of them: the spec's own list, not a copy; every
+        call of a function asks, and none changes it)."""
         ops = self.spec.output_ops
-        return list(ops) if subset is None else [ops[i] for i in subset]
+        return ops if subset is None else [ops[i] for i in subset]
 
     def _kwargs(self, subset: Subset) -> dict[str, Any]:
         kwargs = self.device.compile_kwargs(self.spec.kwargs)

@@ -17,6 +17,7 @@ value read stays in the master's variable, which is what ``get_value`` returns a
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ class Orchestrator:
         """Each compute rank's rows in the last call (0: the rank computed nothing)."""
         self.logged: set[tuple[int, str]] = set()
         """(function id, reason) of the per-rank runs logged already."""
-        self.outputs: dict[tuple[int, tuple[int, ...] | None], tuple[list[str], list[bool]]] = {}
+        self.outputs: dict[tuple[int, tuple[int, ...] | None], tuple[Sequence[str], list[bool]]] = {}
         """(function id, output subset) -> each output's op and whether it leaves the program stacked
         (the master combines it)."""
         self.fits: set[bytes] = set()
@@ -71,7 +72,7 @@ class Orchestrator:
             return None
         return key
 
-    def outputs_of(self, rep: Replica, subset: tuple[int, ...] | None) -> tuple[list[str], list[bool]]:
+    def outputs_of(self, rep: Replica, subset: tuple[int, ...] | None) -> tuple[Sequence[str], list[bool]]:
         """The ops of ``rep``'s outputs in ``subset`` and which leave the program stacked (cached)."""
         key = (rep.spec.fid, subset)
         found = self.outputs.get(key)
@@ -147,7 +148,7 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | Non
             for i, op in enumerate(ops)]
 
 
-def _program_outputs(rep: Replica, plan: calls.CallPlan, ops: list[str], values: list[Any],
+def _program_outputs(rep: Replica, plan: calls.CallPlan, ops: Sequence[str], values: list[Any],
                      counts: list[int] | None) -> list[Any]:
     """The outputs of a call that ran as one program (compute rank 0's reply): reduced in the
     program, or stacked per rank (see :mod:`synkhronos.engine.program`) and combined here.  An uneven
