@@ -126,9 +126,9 @@ if [ "$what" = cpu2 ]; then
     done
   done
 fi
-# The tiny call at 2 and 16 ranks on the machine's 16 cores, three times, then where its time goes;
-# with BASE=<dir holding another tree's packages/> (carried), that tree's run before each of ours
-if [ "$what" = tiny2 ]; then  # the tiny call at 2 ranks on 2 physical cores, the trees taking turns (BASE=)
+# The tiny call at 2 ranks on the two cores machine.physical_cores picks (CORES=a,b to choose: on a
+# VM the host may pair vCPUs as hyperthreads, RESULTS session 23), RUNS times, the trees taking turns (BASE=)
+if [ "$what" = tiny2 ]; then
   two=${CORES:-$(cd benchmarks && python3 -c "from machine import physical_cores; print(','.join(map(str, physical_cores(2))))")}
   trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
   for i in $(seq "${RUNS:-3}"); do
@@ -139,6 +139,8 @@ if [ "$what" = tiny2 ]; then  # the tiny call at 2 ranks on 2 physical cores, th
     done
   done
 fi
+# The tiny call at 2 and 16 ranks on the machine's 16 cores, three times, then where its time goes;
+# with BASE=<dir holding another tree's packages/> (carried), that tree's run before each of ours
 if [ "$what" = tiny16 ]; then
   trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
   for i in 1 2 3; do
