@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2 | tiny2 | tiny16 | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -137,6 +137,29 @@ if [ "$what" = tiny2 ]; then
       PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= taskset -c "$two" timeout 100 \
         python3 benchmarks/bench_cpu_scaling.py --only tiny 2>/dev/null | tee -a "$OUT/tiny_2cores.log" || status=1
     done
+  done
+fi
+# The in-program all-reduce alone at 2-16 ranks, then the MLP step at RANKS_MLP ranks (default 4)
+# against DDP at 2 processes, RUNS times (default 2), the trees taking turns (BASE=)
+if [ "$what" = allreduce ]; then
+  trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
+  for tree in ${PROBE_TREES:-${trees[@]}}; do
+    echo "== tree $tree, all-reduce probe"
+    PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 \
+      benchmarks/probe_in_program_all_reduce.py --ranks "${PROBE_RANKS:-2,4,8,16}" 2>&1 | grep -v "^ \|^Trace\|^Runtime\|^An NVIDIA\|^Jax plugin" \
+      | tee -a "$OUT/all_reduce.log" || status=1
+  done
+  for i in $(seq "${RUNS:-2}"); do
+    for tree in "${trees[@]}"; do
+      for n in ${RANKS_MLP:-4}; do
+        echo "== tree $tree, run $i, MLP at $n ranks"
+        PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS=floatX=float32 timeout 120 python3 \
+          benchmarks/bench_cpu_scaling.py --one synk "$n" 2>/dev/null | tee -a "$OUT/mlp_ab.log" || status=1
+      done
+    done
+    echo "== run $i, DDP at 2 processes"
+    CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=8 MKL_NUM_THREADS=8 timeout 120 python3 benchmarks/bench_cpu_scaling.py --one ddp 2 2>/dev/null \
+      | tee -a "$OUT/mlp_ab.log" || status=1
   done
 fi
 # The tiny call at 2 and 16 ranks on the machine's 16 cores, three times, then where its time goes;

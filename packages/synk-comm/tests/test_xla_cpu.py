@@ -76,25 +76,72 @@ def test_all_reduce_in_a_program_matches_numpy(size: int) -> None:
                 np.testing.assert_array_equal(got, want, err_msg=str(case))
 
 
-def alone_in(size: int) -> xla_cpu.Segment:
+def large_cases(size: int) -> list[dict]:
+    """Chunks of 256 KB or more: reduced split over 3 ranks or more, copied and reduced by a team."""
+    some_idle = [0.0 if r == 1 else float(r + 1) for r in range(size)]
+    return [
+        {"op": "sum", "dtype": "float32", "shape": [300_001], "seed": 70, "weights": [1.0] * size},  # 2 chunks
+        {"op": "avg", "dtype": "float64", "shape": [150_001], "seed": 71, "weights": some_idle},
+        {"op": "max", "dtype": "int64", "shape": [70_000], "seed": 72, "weights": [1.0] * size},
+        {"op": "min", "dtype": "float32", "shape": [65_537], "seed": 73, "weights": some_idle},  # ragged parts
+        {"op": "sum", "dtype": "float32", "shape": [5, 7], "seed": 74, "weights": [1.0] * size},  # small after
+    ]
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_large_arrays_reduced_split_by_teams_of_threads_match_numpy(size: int, monkeypatch) -> None:
+    """Each rank a team of 2 threads ($SYNK_ALL_REDUCE_THREADS; a pinned rank's default is its
+    cores); from 3 ranks each reduces its slice of a large chunk, then copies every slice."""
+    monkeypatch.setenv("SYNK_ALL_REDUCE_THREADS", "2")
+    capacity = 1 << 20
+    segment = xla_cpu.Segment.create(size, capacity)
+    try:
+        todo = large_cases(size)
+        results = synk_comm.spawn(xla_cpu_all_reduce, size, args=(segment.name, capacity, todo),
+                                  imports=["comm_handlers"])
+    finally:
+        segment.close()
+    for case, *per_rank in zip(todo, *results):
+        want = expected(case, size)
+        for got in per_rank[1:]:  # every rank holds the same values, bit for bit
+            np.testing.assert_array_equal(got, per_rank[0], err_msg=str(case))
+        if np.dtype(case["dtype"]).kind == "f":
+            np.testing.assert_allclose(per_rank[0], want, rtol=1e-6 if case["dtype"] == "float32" else 1e-12,
+                                       err_msg=str(case))
+        else:
+            np.testing.assert_array_equal(per_rank[0], want, err_msg=str(case))
+
+
+def alone_in(size: int, capacity: int = 256) -> xla_cpu.Segment:
     """A segment for ``size`` ranks, rank 0's weight set: rank 0 alone, the others never coming."""
     assert xla_cpu.available()
-    segment = xla_cpu.Segment.create(size, 256)
+    segment = xla_cpu.Segment.create(size, capacity)
     segment.set_weight(0, 1.0)
     return segment
 
 
-def test_a_wait_ends_when_the_group_aborts() -> None:
+@pytest.mark.parametrize("values", [3, 1 << 18])  # 1 MB: a team of 3 threads, the chunk split
+def test_a_wait_ends_when_the_group_aborts(values: int, monkeypatch) -> None:
+    monkeypatch.setenv("SYNK_ALL_REDUCE_THREADS", "3")
     abort = np.zeros(1, dtype=np.int64)
-    segment = alone_in(2)
-    segment.set_weight(1, 1.0)  # rank 1 "alive" (this process), but it never posts
+    segment = alone_in(3, 1 << 20)
+    segment.set_weight(1, 1.0)  # ranks 1 and 2 "alive" (this process), but they never post
+    segment.set_weight(2, 1.0)
+    x = np.arange(values, dtype=np.float32)
     try:
         abort[0] = 1
-        step = jax.jit(lambda v: xla_cpu.all_reduce(v, "sum", segment, 0, 2, abort_address=abort.ctypes.data))
-        with pytest.raises(Exception, match="another rank failed"):
-            np.asarray(step(np.ones(3, dtype=np.float32)))
+        step = jax.jit(lambda v: xla_cpu.all_reduce(v, "sum", segment, 0, 3, abort_address=abort.ctypes.data))
+        for _ in range(2):
+            with pytest.raises(Exception, match="another rank failed"):
+                np.asarray(step(x))
     finally:
         segment.close()
+    alone = alone_in(1, 1 << 20)  # the team (its threads waited with the caller) serves the next call
+    try:
+        step = jax.jit(lambda v: xla_cpu.all_reduce(v * 2, "sum", alone, 0, 1))
+        np.testing.assert_array_equal(np.asarray(step(x)), x * 2)
+    finally:
+        alone.close()
 
 
 def test_realign_puts_every_rank_at_the_furthest_call_posted() -> None:
@@ -109,9 +156,9 @@ def test_realign_puts_every_rank_at_the_furthest_call_posted() -> None:
         for _ in range(2):
             with pytest.raises(Exception, match=xla_cpu.ABORTED):
                 np.asarray(step(np.ones(3, dtype=np.float32)))
-        assert segment._counters.tolist() == [[2, 0], [0, 0]]  # posted, done: by rank
+        assert segment._counters.tolist() == [[2, 0], [0, 0], [0, 0]]  # posted, done, reduced: by rank
         segment.realign()
-        assert segment._counters.tolist() == [[2, 2], [2, 2]]
+        assert segment._counters.tolist() == [[2, 2], [2, 2], [2, 2]]
     finally:
         segment.close()
 

@@ -48,7 +48,7 @@ __all__ = ["MAX_RANKS", "OPS", "Segment", "all_reduce", "available", "build_hand
 SOURCE = Path(__file__).with_name("xla_cpu_all_reduce.cc")
 TARGET = "synk_comm_all_reduce"
 MAX_RANKS = 64
-"""Ranks a segment has room for (a cache line per rank on each of its three control pages)."""
+"""Ranks a segment has room for (a cache line per rank on each of its four control pages)."""
 OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 """The ops and their codes in the handler."""
 PAGE = 4096
@@ -131,8 +131,9 @@ def available() -> bool:
 
 
 class Segment:
-    """A group's shared segment for :func:`all_reduce`: three pages of counters, weights and
-    process ids, then two buffers of ``capacity`` bytes per rank (see ``xla_cpu_all_reduce.cc``).
+    """A group's shared segment for :func:`all_reduce`: three pages of counters, a page of weights
+    and process ids, then two buffers of ``capacity`` bytes per rank and two result buffers (see
+    ``xla_cpu_all_reduce.cc``).
 
     Make it with :meth:`create` in one rank, :meth:`attach` in the others (by :attr:`name`);
     :meth:`close` in each, the creator last (it unlinks).
@@ -143,12 +144,12 @@ class Segment:
         self.size = size
         self.capacity = capacity
         self.address = int(shared.array.ctypes.data)
-        self._rows = shared.view((size, 8), "float64", offset=2 * PAGE)  # a cache line per rank
-        self._counters = shared.view((2, PAGE // 8), "uint64")[:, :8 * size:8]  # posted, done: a line per rank
+        self._rows = shared.view((size, 8), "float64", offset=3 * PAGE)  # a cache line per rank
+        self._counters = shared.view((3, PAGE // 8), "uint64")[:, :8 * size:8]  # posted, done, reduced: a line per rank
 
     @staticmethod
     def nbytes(size: int, capacity: int) -> int:
-        return 3 * PAGE + 2 * size * capacity
+        return 4 * PAGE + 2 * (size + 1) * capacity
 
     @classmethod
     def create(cls, size: int, capacity: int = 1 << 22) -> Segment:
@@ -161,7 +162,7 @@ class Segment:
         if capacity < 64 or capacity % 64:
             raise ValueError(f"capacity must be a positive multiple of 64 bytes, not {capacity}")
         shared = SharedArray.create(cls.nbytes(size, capacity), "uint8")
-        shared.array[:3 * PAGE] = 0
+        shared.array[:4 * PAGE] = 0
         segment = cls(shared, size, capacity)
         segment._rows[:, 0] = np.nan  # no rank in a call yet
         return segment
