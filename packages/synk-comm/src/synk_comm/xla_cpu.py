@@ -20,6 +20,11 @@ the handler ends with an error when the group's abort word is set (a rank failed
 a peer's process is gone; after such an error the ranks' counters disagree: once no rank is
 inside a program, :meth:`Segment.realign` puts them in step again.
 
+Large arrays (a chunk of 256 KB or more) are copied and reduced by a team of threads in each rank,
+one per core of the rank's pinning (none when the process is not pinned;
+``$SYNK_ALL_REDUCE_THREADS`` sets the number), and from 3 ranks reduced split: each rank reduces
+its slice of every rank's chunk into a shared result, which every rank then copies whole.
+
 Example (every rank; ``segment`` made by rank 0 with :meth:`Segment.create`, attached by the
 others with :meth:`Segment.attach`)::
 

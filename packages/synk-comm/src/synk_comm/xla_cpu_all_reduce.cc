@@ -148,9 +148,10 @@ class Team {
     if (const char* given = getenv("SYNK_ALL_REDUCE_THREADS"); given != nullptr && atoi(given) > 0) {
       return std::min<int64_t>(atoi(given), kMaxTeam);
     }
+    static const int64_t online = sysconf(_SC_NPROCESSORS_ONLN);  // glibc reads a file in /sys for it
     cpu_set_t set;
     int64_t cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-    return cores < sysconf(_SC_NPROCESSORS_ONLN) ? std::min<int64_t>(cores, kMaxTeam) : 1;
+    return cores < online ? std::min<int64_t>(cores, kMaxTeam) : 1;
   }
 
   // job(member) on members 0 .. members - 1, the caller being member 0; returns once all have.
