@@ -62,6 +62,8 @@ constexpr int64_t kSpins = 4000;
 constexpr int64_t kSplitBytes = 1 << 18;  // a chunk this large, over 3 ranks or more, is reduced split
 constexpr int64_t kTeamBytes = 1 << 18;   // a chunk this large is copied and reduced by the team
 constexpr int kMaxTeam = 16;
+constexpr int64_t kIdleSpins = 400;  // a helper's spins after a job before it sleeps: the rank's
+                                     // program goes on computing on these cores meanwhile
 enum Op : int64_t { kSum = 0, kProd = 1, kMax = 2, kMin = 3, kAvg = 4 };
 enum Page : int64_t { kPosted = 0, kDone = 1, kReduced = 2, kWeights = 3, kBuffers = 4 };
 
@@ -191,7 +193,7 @@ class Team {
   void Serve(int64_t member, uint64_t seen) {
     for (;;) {
       for (int64_t i = 0; generation_.load(std::memory_order_acquire) == seen; ++i) {
-        if (i < kSpins) {
+        if (i < kIdleSpins) {
           _mm_pause();
           continue;
         }
