@@ -55,25 +55,31 @@ def cases(size: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_all_reduce_in_a_program_matches_numpy(size: int) -> None:
-    capacity = 1024  # bytes: the 3000-value case takes 12 exchanges
+def reduce_in_ranks(size: int, capacity: int, todo: list[dict]) -> list[list]:
+    """Every case all-reduced by ``size`` spawned ranks over a new segment: each rank's results."""
     segment = xla_cpu.Segment.create(size, capacity)
     try:
-        todo = cases(size)
-        results = synk_comm.spawn(xla_cpu_all_reduce, size, args=(segment.name, capacity, todo),
-                                  imports=["comm_handlers"])
+        return synk_comm.spawn(xla_cpu_all_reduce, size, args=(segment.name, capacity, todo),
+                               imports=["comm_handlers"])
     finally:
         segment.close()
-    for case, *per_rank in zip(todo, *results):
-        want = expected(case, size)
+
+
+def assert_matches_numpy(case: dict, got: np.ndarray, size: int) -> None:
+    want = expected(case, size)
+    assert got.dtype == np.dtype(case["dtype"]) and got.shape == tuple(case["shape"]), case
+    if np.dtype(case["dtype"]).kind == "f":
+        np.testing.assert_allclose(got, want, rtol=1e-6 if case["dtype"] == "float32" else 1e-12, err_msg=str(case))
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=str(case))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_all_reduce_in_a_program_matches_numpy(size: int) -> None:
+    todo = cases(size)
+    for case, *per_rank in zip(todo, *reduce_in_ranks(size, 1024, todo)):  # 1 KB: 3000 values take 12 exchanges
         for got in per_rank:
-            assert got.dtype == np.dtype(case["dtype"]) and got.shape == tuple(case["shape"]), case
-            if case["op"] == "avg" or np.dtype(case["dtype"]).kind == "f":
-                np.testing.assert_allclose(got, want, rtol=1e-6 if case["dtype"] == "float32" else 1e-12,
-                                           err_msg=str(case))
-            else:
-                np.testing.assert_array_equal(got, want, err_msg=str(case))
+            assert_matches_numpy(case, got, size)
 
 
 def large_cases(size: int) -> list[dict]:
@@ -93,23 +99,11 @@ def test_large_arrays_reduced_split_by_teams_of_threads_match_numpy(size: int, m
     """Each rank a team of 2 threads ($SYNK_ALL_REDUCE_THREADS; a pinned rank's default is its
     cores); from 3 ranks each reduces its slice of a large chunk, then copies every slice."""
     monkeypatch.setenv("SYNK_ALL_REDUCE_THREADS", "2")
-    capacity = 1 << 20
-    segment = xla_cpu.Segment.create(size, capacity)
-    try:
-        todo = large_cases(size)
-        results = synk_comm.spawn(xla_cpu_all_reduce, size, args=(segment.name, capacity, todo),
-                                  imports=["comm_handlers"])
-    finally:
-        segment.close()
-    for case, *per_rank in zip(todo, *results):
-        want = expected(case, size)
+    todo = large_cases(size)
+    for case, *per_rank in zip(todo, *reduce_in_ranks(size, 1 << 20, todo)):
         for got in per_rank[1:]:  # every rank holds the same values, bit for bit
             np.testing.assert_array_equal(got, per_rank[0], err_msg=str(case))
-        if np.dtype(case["dtype"]).kind == "f":
-            np.testing.assert_allclose(per_rank[0], want, rtol=1e-6 if case["dtype"] == "float32" else 1e-12,
-                                       err_msg=str(case))
-        else:
-            np.testing.assert_array_equal(per_rank[0], want, err_msg=str(case))
+        assert_matches_numpy(case, per_rank[0], size)
 
 
 def alone_in(size: int, capacity: int = 256) -> xla_cpu.Segment:
