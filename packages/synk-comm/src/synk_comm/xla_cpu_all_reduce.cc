@@ -37,18 +37,17 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -224,6 +223,8 @@ class Team {
   std::condition_variable wake_;
 };
 
+std::mutex team_busy;  // one team job at a time (two programs of one process all-reducing at once)
+
 template <typename T>
 T Identity(int64_t op) {
   switch (op) {
@@ -329,8 +330,7 @@ ffi::Error Run(const Segment& s, int64_t op, const T* src, T* dst, size_t n) {
   std::string err;
   size_t chunk = std::min(n, static_cast<size_t>(s.capacity) / sizeof(T));
   int64_t members = static_cast<int64_t>(chunk * sizeof(T)) >= kTeamBytes ? Team::Members() : 1;
-  static std::mutex busy;  // one team job at a time (two programs of one process all-reducing at once)
-  std::unique_lock<std::mutex> lock(busy, std::defer_lock);
+  std::unique_lock<std::mutex> lock(team_busy, std::defer_lock);
   if (members > 1 && lock.try_lock()) {
     Team& team = Team::Get();
     team.Run(members, [&](int64_t member) { RunMember<T>(s, op, src, dst, n, member, members, &team, &err); });
@@ -340,6 +340,7 @@ ffi::Error Run(const Segment& s, int64_t op, const T* src, T* dst, size_t n) {
   if (!err.empty()) return ffi::Error(ffi::ErrorCode::kAborted, "synk_comm all-reduce: " + err);
   return ffi::Error::Success();
 }
+
 ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t segment, int64_t abort,
                      int64_t rank, int64_t size, int64_t capacity, int64_t op) {
   Segment s{reinterpret_cast<char*>(segment), rank, size, capacity,
