@@ -139,8 +139,9 @@ if [ "$what" = tiny2 ]; then
     done
   done
 fi
-# The in-program all-reduce alone at 2-16 ranks, then the MLP step at RANKS_MLP ranks (default 4)
-# against DDP at 2 processes, RUNS times (default 2), the trees taking turns (BASE=)
+# The in-program all-reduce alone at PROBE_RANKS ranks (default 2,4,8,16) in each of PROBE_TREES (default
+# BASE and this tree), then the MLP step at RANKS_MLP ranks (default 4) against DDP at 2 processes,
+# RUNS times (default 2), the trees taking turns (BASE=)
 if [ "$what" = allreduce ]; then
   trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
   for tree in ${PROBE_TREES:-${trees[@]}}; do
