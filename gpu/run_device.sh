@@ -143,6 +143,10 @@ fi
 # BASE and this tree), then the MLP step at RANKS_MLP ranks (default 4) against DDP at 2 processes,
 # RUNS times (default 2), the trees taking turns (BASE=)
 if [ "$what" = allreduce ]; then
+  # one MLP configuration through the benchmark's own driver (its float32 and its thread variables)
+  mlp_one() { PYTENSOR_FLAGS= timeout 150 python3 -c "import json, sys; sys.path.insert(0, 'benchmarks')
+import bench_cpu_scaling as b; print(json.dumps(b.run_one(sys.argv[1], int(sys.argv[2]))))" "$1" "$2" \
+    2>/dev/null | tee -a "$OUT/mlp_ab.log"; }
   trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
   for tree in ${PROBE_TREES:-${trees[@]}}; do
     echo "== tree $tree, all-reduce probe"
@@ -154,13 +158,11 @@ if [ "$what" = allreduce ]; then
     for tree in "${trees[@]}"; do
       for n in ${RANKS_MLP:-4}; do
         echo "== tree $tree, run $i, MLP at $n ranks"
-        PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS=floatX=float32 timeout 120 python3 \
-          benchmarks/bench_cpu_scaling.py --one synk "$n" 2>/dev/null | tee -a "$OUT/mlp_ab.log" || status=1
+        PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= mlp_one synk "$n" || status=1
       done
     done
     echo "== run $i, DDP at 2 processes"
-    CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=8 MKL_NUM_THREADS=8 timeout 120 python3 benchmarks/bench_cpu_scaling.py --one ddp 2 2>/dev/null \
-      | tee -a "$OUT/mlp_ab.log" || status=1
+    CUDA_VISIBLE_DEVICES= mlp_one ddp 2 || status=1
   done
 fi
 # The tiny call at 2 and 16 ranks on the machine's 16 cores, three times, then where its time goes;
