@@ -3,10 +3,11 @@ of record: ``bench_cpu_scaling.py --only tiny`` is that).
 
 Forks 2 CPU ranks, builds ``bench_cpu_scaling``'s tiny function (one scalar out of a 4n x 2 input),
 calls it until warm, then times each piece of the call path on its own -- the checked-plan lookup,
-a worker's decoding of the plan, the rank's share (its rows, its compiled call, the reply), the
-reply's write into shared memory, the master's combining -- as the best of 7 means of 5000 runs,
-next to the whole call and the plain PyTensor call in JAX mode.  The pieces run hot and alone, so
-they add up to less than the whole call (which wakes a worker and waits for it).
+a worker's decoding of the plan, the rank's share (its rows, its compiled call, its reply: numbers
+in the control block for this scalar output), a message reply's write, the master's combining --
+as the best of 7 means of 5000 runs, next to the whole call and the plain PyTensor call in JAX
+mode.  The pieces run hot and alone, so they add up to less than the whole call (which wakes a
+worker and waits for it).
 
 Usage: ``taskset -c 0,1 python benchmarks/probe_call_pieces.py``
 """
@@ -72,11 +73,12 @@ def main() -> None:
         "a rank's share (execute)": lambda: calls.execute(rt, plan),
         "  of it: its rows": lambda: calls.rank_inputs(rt, plan),
         "  of it: the compiled call": lambda: rep.full(None)(*scattered),
-        "reply: outputs to host arrays": lambda: calls.reply(rt, plan, 4.0, outputs),
-        "worker: write the reply": lambda: rt.group.buffers.publish(MAILBOX, reply),
+        "reply (as numbers where the outputs are scalars)": lambda: calls.reply(rt, plan, 4.0, outputs),
+        "  a message: write it": lambda: rt.group.buffers.publish(MAILBOX, reply),
         "master: combine the shares": lambda: f._gather(rt, own, plan),
-        "  of it: one output's parts": lambda: combine("avg", [own[1], own[1].copy()], [4.0, 4.0]),
     }
+    if own is not None:  # replied as a message (a tree before numbers replies)
+        pieces["  of it: one output's parts"] = lambda: combine("avg", [own[1], own[1].copy()], [4.0, 4.0])
     for name, fn in pieces.items():
         print(f"{name:44s} {best_us(fn, 2000 if name == 'whole call' else 5000):8.2f} us", flush=True)
     synk.close()

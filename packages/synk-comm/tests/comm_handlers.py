@@ -170,6 +170,13 @@ def reply_shapes(group: synk_comm.Group, payload: Any) -> None:
     group.reply([base + group.rank + np.arange(n, dtype=np.float64) for n in sizes])
 
 
+@synk_comm.handler("reply_values")
+def reply_values(group: synk_comm.Group, payload: Any) -> None:
+    """Every rank, the master included, replies ``payload[rank]`` as numbers
+    (:meth:`synk_comm.Group.reply_values`); a ValueError from a rank asked for too many."""
+    group.reply_values(payload[group.rank])
+
+
 @synk_comm.handler("pids")
 def pids(group: synk_comm.Group, payload: Any) -> list[Any]:
     return group.gather_object(os.getpid())  # type: ignore[return-value]

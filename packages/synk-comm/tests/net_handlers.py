@@ -18,6 +18,7 @@ ALL_GATHER = "net.all_gather"
 BARRIER = "net.barrier"
 SLEEP = "net.sleep"
 ALL_REDUCE = "net.all_reduce"
+NUMBERS = "net.numbers"
 
 
 def span_rank(group: synk_comm.Group) -> int:
@@ -28,6 +29,19 @@ def span_rank(group: synk_comm.Group) -> int:
 def _rank(group: synk_comm.Group, payload: int) -> None:
     if not group.is_master:
         group.reply([np.array([span_rank(group), payload, os.getpid()])])
+
+
+@synk_comm.handler(NUMBERS)
+def _numbers(group: synk_comm.Group, payload: None) -> None:
+    """Workers reply 1 where ``reply_values`` refused them (a group spanning hosts), else 0."""
+    if group.is_master:
+        return
+    try:
+        group.reply_values([1.0])
+    except RuntimeError:
+        group.reply([np.array([1])])
+    else:
+        group.reply([np.array([0])])
 
 
 @synk_comm.handler(FAIL)

@@ -128,6 +128,31 @@ def test_replies_follow_every_change_of_layout_and_buffer(group):
                     np.testing.assert_array_equal(a, 10 * i + rank + np.arange(n), err_msg=f"{plan}, rank {rank}")
 
 
+def test_numbers_replied_by_every_rank_land_in_one_table(group):
+    """``reply_values``: each rank's numbers (the master's own too) in its row of the table that
+    the master reads after the command, float64; a rank that replies fewer numbers leaves the
+    rest of its row as it was; more than REPLY_VALUES is a ValueError in that rank, after which
+    the group goes on."""
+    from synk_comm.lockstep import REPLY_VALUES
+
+    full = {r: [10.0 * r + i + 0.5 for i in range(REPLY_VALUES)] for r in range(3)}
+    group.run("reply_values", full)
+    table = group.replied_values()
+    assert table.shape == (3, REPLY_VALUES) and table.dtype == np.float64
+    np.testing.assert_array_equal(table, [full[r] for r in range(3)])
+    group.run("reply_values", {0: [np.float32(0.1)], 1: [-1.0, 2**60], 2: []})
+    table = group.replied_values()
+    np.testing.assert_array_equal(table[0], [float(np.float32(0.1)), *full[0][1:]])
+    np.testing.assert_array_equal(table[1], [-1.0, 2.0**60, *full[1][2:]])
+    np.testing.assert_array_equal(table[2], full[2])
+    with pytest.raises(WorkerError, match="at most"):
+        group.run("reply_values", {0: [1.0], 1: [1.0] * (REPLY_VALUES + 1), 2: [2.0]})
+    with pytest.raises(ValueError, match="at most"):
+        group.reply_values([0.0] * (REPLY_VALUES + 1))
+    group.run("reply_values", {0: [7.0], 1: [8.0], 2: [9.0]})
+    np.testing.assert_array_equal(group.replied_values()[:, 0], [7.0, 8.0, 9.0])
+
+
 def test_unknown_handler_is_value_error(group):
     with pytest.raises(ValueError, match="no handler named 'no_such_handler'"):
         group.run("no_such_handler")

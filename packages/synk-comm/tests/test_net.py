@@ -74,6 +74,15 @@ def test_commands_and_replies_span_both_hosts(span):
     assert len({int(v[0][2]) for v in replies.values()}) == 3  # three processes
 
 
+def test_numbers_replies_are_refused_in_a_group_spanning_hosts(span):
+    """``reply_values`` writes a row that only its own host's master reads: every worker of a
+    span is told to reply by message instead."""
+    group, _ = span
+    with group.command(h.NUMBERS):
+        pass
+    assert {r: int(v[0][0]) for r, v in group.replies().items()} == {1: 1, 2: 1, 3: 1}
+
+
 def test_the_masters_collectives_reach_every_host(span):
     group, _ = span
     assert group.run(h.GATHER) == [None, ("rank", 1), ("rank", 2), ("rank", 3)]

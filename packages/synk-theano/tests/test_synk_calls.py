@@ -339,6 +339,63 @@ def test_integer_outputs_and_output_subsets(ranks):
         np.testing.assert_array_equal(f(X, output_subset=[4, 0])[0], xd * 2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_scalar_outputs_replied_as_numbers_match_numpy(ranks, dtype, monkeypatch):
+    """Outputs that are all real scalars (a loss, an accuracy) travel as numbers in the control
+    block, never as messages: every op, uneven splits, ranks without rows (left out whatever
+    their slots hold from the call before), an output subset of a mixed function taking that
+    path while the whole function does not; results in the output's dtype, against numpy."""
+    from synk_comm import Group
+
+    x = pt.matrix("x", dtype=dtype)
+    f = synk.function([x], [(x.sum(), "avg"), (x.sum(), "sum"), (x.sum(), "prod"), (x.max(), "max"),
+                            (x.min(), "min"), x.mean()])
+    mixed = synk.function([x], [(x.sum(axis=0), "sum"), (x.max(), "max")])
+    messages = []
+    monkeypatch.setattr(Group, "replies", lambda self, *a, **k: messages.append(1) or {})
+    rng = np.random.default_rng(11)
+    for n_rows in (7, 9, 1, ranks - 1 if ranks > 2 else 1):
+        xd = rng.uniform(0.5, 1.5, (n_rows, 3)).astype(dtype)
+        kept = [p for p in parts(xd, ranks) if len(p)]
+        sums = np.array([p.sum(dtype=np.float64) for p in kept])
+        weights = [len(p) for p in kept]
+        expected = [np.average(sums, weights=weights), sums.sum(), sums.prod(), xd.max(), xd.min(), xd.mean()]
+        got = f(synk.data(xd))
+        assert [g.dtype for g in got] == [np.dtype(dtype)] * 6 and all(g.shape == () for g in got)
+        rtol = 1e-5 if dtype == "float32" else 1e-12
+        for i, (g, e) in enumerate(zip(got, expected)):
+            np.testing.assert_allclose(g, e, rtol=rtol, err_msg=f"output {i}, {n_rows} rows")
+        (top,) = mixed(synk.data(xd), output_subset=[1])
+        assert top.dtype == np.dtype(dtype) and top == xd.max()
+    assert not messages  # no call read a message reply
+    monkeypatch.undo()
+    np.testing.assert_allclose(mixed(synk.data(xd))[0], xd.sum(0), rtol=rtol)  # a vector: by message
+
+
+def test_combining_numbers_matches_numpy_and_keeps_nan():
+    """The master's combining of replied numbers against numpy: weighted avg, sum, prod, max, min
+    over 16 parts with two of weight 0 (NaN there: never read), NaN in a kept part wins max/min
+    as in numpy, a lone part as it is, every part empty raises."""
+    from synkhronos.reduce_ops import combine_numbers
+
+    rng = np.random.default_rng(3)
+    w = rng.integers(1, 9, 16).astype(float)
+    v = rng.uniform(-2, 2, (16, 5))
+    w[[3, 11]] = 0.0
+    v[3] = np.nan
+    ops = ["avg", "sum", "prod", "max", "min"]
+    got = combine_numbers(ops, np.column_stack([w, v]).tolist())
+    k = w > 0
+    expected = [np.average(v[k, 0], weights=w[k]), v[k, 1].sum(), v[k, 2].prod(), v[k, 3].max(), v[k, 4].min()]
+    np.testing.assert_allclose(got, expected, rtol=1e-13)
+    v[5, 3] = v[6, 4] = np.nan
+    got = combine_numbers(ops, np.column_stack([w, v]).tolist())
+    assert np.isnan(got[3]) and np.isnan(got[4]) and not np.isnan(got[0])
+    assert combine_numbers(["avg", "max"], [[0.0, 9.0, 9.0], [3.0, 0.1, -2.0]]) == [0.1, -2.0]
+    with pytest.raises(ValueError, match="every rank had 0 rows"):
+        combine_numbers(["sum"], [[0.0, 1.0], [0.0, 2.0]])
+
+
 def test_output_shapes_that_differ_between_ranks_raise(ranks):
     """An output summed over the ranks must have one shape: a ValueError, and the group goes on."""
     x = pt.matrix("x", dtype="float64")

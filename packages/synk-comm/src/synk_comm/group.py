@@ -59,6 +59,7 @@ from synk_comm.lockstep import (
     MAILBOX,
     OK,
     PAYLOAD_NBYTES,
+    REPLY_VALUES,
     SPIN_S,
     ControlBlock,
     Semaphores,
@@ -148,6 +149,7 @@ class Group:
         self.buffers = Buffers(self.control, prefix, rank, size)
         self.scratch = self.control.scratch
         self._status = self.control.rows["status"]  # int64 view: one status per rank
+        self._values = self.control.rows["values"]  # (size, REPLY_VALUES) float64 view: reply_values
         self.host = ShmCollectives(self)
         self.workers = [r for r in range(size) if r != master_rank]
         self._master_pid = os.getpid() if create else int(os.environ.get("SYNK_MASTER_PID", "0"))
@@ -345,6 +347,38 @@ class Group:
         results (synkhronos returns function outputs this way).
         """
         self.buffers.publish(MAILBOX, [np.asarray(a) for a in arrays])
+
+    def reply_values(self, values: Sequence[float]) -> None:
+        """In any rank's part of a command: leave up to :data:`~synk_comm.lockstep.REPLY_VALUES`
+        numbers (stored as float64) in this rank's row of the shared control block, where the
+        master reads every rank's at once when the command ends (:meth:`replied_values`).
+
+        For a few scalars a command returns (a loss, an accuracy, the rows a rank computed on): no
+        message to lay out, and no read per rank.  Slots past ``len(values)`` keep what an earlier
+        command left there.
+
+        Raises
+        ------
+        ValueError
+            If there are more than ``REPLY_VALUES`` values: :meth:`reply` takes any arrays.
+        RuntimeError
+            In a group that is one host's part of a group spanning hosts, whose master reads its
+            workers' replies by message (:mod:`synk_comm.net`).
+        """
+        n = len(values)
+        if n > REPLY_VALUES:
+            raise ValueError(f"reply_values takes at most {REPLY_VALUES} values, got {n}: use reply() for more")
+        if self.spans_hosts:
+            raise RuntimeError("reply_values is for groups on one host; this group spans hosts: use reply()")
+        row = self._values[self.rank]
+        for i, v in enumerate(values):  # item by item: a third of a slice assignment's cost for a few
+            row[i] = v
+
+    def replied_values(self) -> np.ndarray:
+        """In the master, after a command: every rank's :meth:`reply_values`, the master's own
+        included, as a ``(size, REPLY_VALUES)`` float64 view of the control block, row ``r`` for
+        rank ``r`` (valid until the next command; copy what you keep)."""
+        return self._values
 
     def replies(self, copy: bool = True) -> dict[int, list[np.ndarray]]:
         """In the master, after a command: each worker's :meth:`reply`, by rank: copies, or with

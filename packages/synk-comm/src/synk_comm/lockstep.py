@@ -25,7 +25,7 @@ import posix_ipc
 
 from synk_shm import SharedArray, naming
 
-__all__ = ["ControlBlock", "Semaphores", "wait", "POLL_S"]
+__all__ = ["ControlBlock", "POLL_S", "REPLY_VALUES", "Semaphores", "wait"]
 
 POLL_S = 0.05
 """Seconds between liveness checks while waiting."""
@@ -36,8 +36,11 @@ HEADER_LEN = 16
 
 NBUF = 3  # per rank: two alternating collective buffers and a mailbox
 MAILBOX = 2
+REPLY_VALUES = 8
+"""Numbers a rank can leave in its row for the master at the end of a command
+(:meth:`synk_comm.Group.reply_values`)."""
 ROW = np.dtype([("pid", "<i8"), ("status", "<i8"), ("buf_tag", "<i8", (NBUF,)), ("buf_cap", "<i8", (NBUF,)),
-                ("msg_nbytes", "<i8")])
+                ("msg_nbytes", "<i8"), ("values", "<f8", (REPLY_VALUES,))])
 # status values
 OK, ERROR, ABORTED = 0, 1, 2
 

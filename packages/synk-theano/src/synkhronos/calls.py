@@ -252,14 +252,23 @@ def compute(rt: Runtime, rep: Replica, weight: float, run: Callable[[], list[Any
     return outputs
 
 
-def share(rt: Runtime, plan: CallPlan) -> list[np.ndarray]:
-    """Execute this rank's share: ``[weight, *outputs]``, which a worker replies to the master."""
+def share(rt: Runtime, plan: CallPlan) -> list[np.ndarray] | None:
+    """Execute this rank's share and :func:`reply` it."""
     return reply(rt, plan, *execute(rt, plan))
 
 
-def reply(rt: Runtime, plan: CallPlan, weight: float, outputs: Sequence[Any]) -> list[np.ndarray]:
-    """``[weight, *outputs]`` in host memory, which a worker replies to the master (a rank
-    without rows has no outputs of its own: ``[weight]`` alone)."""
+def reply(rt: Runtime, plan: CallPlan, weight: float, outputs: Sequence[Any]) -> list[np.ndarray] | None:
+    """This rank's ``[weight, *outputs]`` for the master (a rank without rows has no outputs of
+    its own: ``[weight]`` alone).
+
+    Where the outputs are real scalars (:meth:`~synkhronos.replica.Replica.value_dtypes`: a loss,
+    an accuracy), every rank, the master included, leaves them as numbers in its row of the
+    control block (:meth:`synk_comm.Group.reply_values`), which the master combines in one
+    array whatever the number of ranks; returns None.  Otherwise they are host arrays, which a
+    worker replies as a message (:meth:`synk_comm.Group.reply`); returns them."""
+    if rt.replicas[plan.fid].value_dtypes(plan.subset) is not None:
+        rt.group.reply_values([weight, *[np.asarray(o).item() for o in outputs]])
+        return None
     result = [np.array(weight), *(np.asarray(o) for o in outputs)]
     if not rt.is_master:
         rt.group.reply(result)

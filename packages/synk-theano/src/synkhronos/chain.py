@@ -161,7 +161,7 @@ def chain(first: Function, all_reduce: Any, op: str = "avg", then: Function | No
     return Chain(first, variables, op, then, bool(zeros_if_idle))
 
 
-def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray]:
+def _run(rt: Runtime, plan: calls.CallPlan, offset: int) -> list[np.ndarray] | None:
     """This rank's part of a chain: its share of ``first``, the all-reduce, ``then``."""
     scratch = rt.group.scratch
     then_fid, op_code, zeros_if_idle, n = (int(v) for v in scratch[offset:offset + 4])

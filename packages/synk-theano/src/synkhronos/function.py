@@ -26,7 +26,7 @@ from synkhronos import calls, data_registry
 from synkhronos.distribution import ensure_distributed
 from synkhronos.engine import master as engine_master
 from synkhronos.engine.phases import PHASES
-from synkhronos.reduce_ops import combine
+from synkhronos.reduce_ops import combine, combine_numbers
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, describe, get_runtime
 from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
@@ -290,8 +290,17 @@ class Function:
             raise RuntimeError(f"{self!r} was built for a group that is closed: build it again with "
                                "synk.function() after synk.fork()")
 
-    def _gather(self, rt: Runtime, own: list[np.ndarray], plan: calls.CallPlan) -> Any:
-        """The combined outputs, from the master's share and the workers' replies."""
+    def _gather(self, rt: Runtime, own: list[np.ndarray] | None, plan: calls.CallPlan) -> Any:
+        """The combined outputs, from the master's share and the workers' replies (``own`` None:
+        every rank replied numbers, :func:`synkhronos.calls.reply`)."""
+        if own is None:
+            dtypes = self._replica.value_dtypes(plan.subset)
+            assert dtypes is not None
+            if not dtypes:
+                return self._shape([], plan)
+            parts = rt.group.replied_values()[:, :1 + len(dtypes)].tolist()
+            numbers = combine_numbers(self._replica.output_ops(plan.subset), parts)
+            return self._shape([np.asarray(v, dtype=d) for v, d in zip(numbers, dtypes)], plan)
         shares = rt.group.replies(copy=False)  # views: combined into new arrays below
         shares[rt.rank] = own
         ordered = [shares[r] for r in range(rt.size)]

@@ -26,12 +26,14 @@ that a NaN computed on no rows cannot leak into the result.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["OUTPUT_OPS", "UPDATE_OPS", "check_op", "combine", "common_shape", "contribution", "identity"]
+__all__ = ["OUTPUT_OPS", "UPDATE_OPS", "check_op", "combine", "combine_numbers", "common_shape", "contribution",
+           "identity"]
 
 OUTPUT_OPS = ("avg", "sum", "prod", "max", "min", "gather")
 UPDATE_OPS = ("avg", "sum", "prod", "max", "min")
@@ -133,6 +135,65 @@ def _combine_host(op: str, values: Sequence[Any], weights: Sequence[float], what
             return np.asarray(stacked @ scale, dtype=dtype)
         return np.asarray((scale @ stacked.reshape(len(kept), -1)).reshape(shape), dtype=dtype)
     return np.asarray(NUMPY_OPS[op].reduce(stacked, axis=0), dtype=dtype)
+
+
+def combine_numbers(ops: Sequence[str], parts: Sequence[Sequence[float]]) -> list[float]:
+    """:func:`combine` of real scalars held as Python floats: each part is ``[weight, *values]``,
+    one value per output, combined by its op in ``ops`` (not gather); parts of weight 0 are
+    skipped (whatever else they hold).
+
+    What a call's ranks replied as numbers (:meth:`synk_comm.Group.reply_values`), read by the
+    master in one ``tolist()`` of the control block: a few float operations per rank, no numpy
+    operation per output (each costs more than the arithmetic of 16 ranks).  Computed in
+    float64; the caller rounds each result once to its output's dtype.
+
+    Parameters
+    ----------
+    ops : sequence of str
+        The reduce op of each output (``avg``, ``sum``, ``prod``, ``max``, ``min``).
+    parts : sequence of sequences of float
+        One ``[weight, value 0, value 1, ...]`` per part (a part may hold more values than
+        ``ops``: they are ignored); the weight is the rows it computed on.
+
+    Returns
+    -------
+    list of float
+        One number per output: ``avg`` is ``sum_r w_r y_r / sum_r w_r``, ``max`` and ``min``
+        NaN when any part's value is NaN (as numpy's ``maximum``); a lone part's values as
+        they are.
+
+    Raises
+    ------
+    ValueError
+        If every part has weight 0.
+
+    Examples
+    --------
+    >>> combine_numbers(["avg", "max"], [[1.0, 2.0, 5.0], [3.0, 6.0, 1.0]])
+    [5.0, 5.0]
+    """
+    kept = [p for p in parts if p[0] > 0]
+    if not kept:
+        raise ValueError("no part computed anything (every rank had 0 rows)")
+    if len(kept) == 1:
+        return list(kept[0][1:1 + len(ops)])
+    out = []
+    for i, op in enumerate(ops, 1):
+        column = [p[i] for p in kept]
+        if op == "avg":
+            acc = 0.0
+            for p in kept:
+                acc += p[0] * p[i]
+            out.append(acc / sum(p[0] for p in kept))
+        elif op == "sum":
+            out.append(sum(column))
+        elif op == "prod":
+            out.append(math.prod(column))
+        elif any(v != v for v in column):  # max, min: NaN wins, as in numpy
+            out.append(math.nan)
+        else:
+            out.append(max(column) if op == "max" else min(column))
+    return out
 
 
 def identity(op: str, dtype: Any) -> Any:

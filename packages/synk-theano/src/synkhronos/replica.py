@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from synk_comm.lockstep import REPLY_VALUES
 from synkhronos.device import Device
 from synkhronos.reduce_ops import combine
 from synkhronos.spec import FunctionSpec
@@ -52,6 +53,7 @@ class Replica:
         self._collectives: list[Any] | None = None
         self._in_program: bool | None = None
         self._exact: set[Any] = set()
+        self._value_dtypes: dict[Subset, tuple[np.dtype, ...] | None] = {}
         """The kinds of values (``("outputs", subset)``, ``"updates"``) found in their declared
         dtypes once: the compiled function's output dtypes follow from its input dtypes, which
         are fixed, so later calls skip the check (:meth:`_in_declared`)."""
@@ -100,6 +102,22 @@ class Replica:
         call of a function asks, and none changes it)."""
         ops = self.spec.output_ops
         return ops if subset is None else [ops[i] for i in subset]
+
+    def value_dtypes(self, subset: Subset) -> tuple[np.dtype, ...] | None:
+        """The dtypes of a call's outputs where its ranks reply them as numbers in the control
+        block (:meth:`synk_comm.Group.reply_values`, :func:`synkhronos.calls.reply`) instead of a
+        message; None where they reply a message.  Numbers: every output a real floating-point
+        scalar of at most 8 bytes (exact in float64) combined by a reduce op other than gather --
+        a loss, an accuracy -- and with the rank's weight they fit the row's slots.  Every rank
+        gives the same answer: it reads only the function's declared outputs."""
+        if subset in self._value_dtypes:
+            return self._value_dtypes[subset]
+        dtypes = [np.dtype(getattr(var.type, "dtype", "O")) for var in self.output_variables(subset)]
+        numbers = (len(dtypes) < REPLY_VALUES and "gather" not in self.output_ops(subset)
+                   and all(getattr(var.type, "ndim", None) == 0 for var in self.output_variables(subset))
+                   and all(d.kind == "f" and d.itemsize <= 8 for d in dtypes))
+        known = self._value_dtypes[subset] = tuple(dtypes) if numbers else None
+        return known
 
     def _kwargs(self, subset: Subset) -> dict[str, Any]:
         kwargs = self.device.compile_kwargs(self.spec.kwargs)
