@@ -53,10 +53,10 @@ class Replica:
         self._collectives: list[Any] | None = None
         self._in_program: bool | None = None
         self._exact: set[Any] = set()
-        self._value_dtypes: dict[Subset, tuple[np.dtype, ...] | None] = {}
         """The kinds of values (``("outputs", subset)``, ``"updates"``) found in their declared
         dtypes once: the compiled function's output dtypes follow from its input dtypes, which
         are fixed, so later calls skip the check (:meth:`_in_declared`)."""
+        self._value_dtypes: dict[Subset, tuple[np.dtype, ...] | None] = {}  # see value_dtypes
 
     @property
     def collectives(self) -> list[Any]:
