@@ -123,10 +123,7 @@ def _combine_host(op: str, values: Sequence[Any], weights: Sequence[float], what
         # real scalars (a loss, an accuracy), the common case: summed in float64 by Python (no
         # BLAS call: it costs more than the sum itself), rounded once to their dtype; a long
         # double keeps numpy's path, in its own precision
-        acc = 0.0
-        for a, w in zip(stacked.tolist(), kept):
-            acc += a * w
-        return np.asarray(acc / sum(kept), dtype=dtype)
+        return np.asarray(_weighted_mean(stacked.tolist(), kept), dtype=dtype)
     if op == "avg":
         dtype = dtype if dtype.kind in "fc" else np.dtype(np.float64)
         total = sum(kept)
@@ -177,14 +174,12 @@ def combine_numbers(ops: Sequence[str], parts: Sequence[Sequence[float]]) -> lis
         raise ValueError("no part computed anything (every rank had 0 rows)")
     if len(kept) == 1:
         return list(kept[0][1:1 + len(ops)])
+    weights = [p[0] for p in kept]
     out = []
     for i, op in enumerate(ops, 1):
         column = [p[i] for p in kept]
         if op == "avg":
-            acc = 0.0
-            for p in kept:
-                acc += p[0] * p[i]
-            out.append(acc / sum(p[0] for p in kept))
+            out.append(_weighted_mean(column, weights))
         elif op == "sum":
             out.append(sum(column))
         elif op == "prod":
@@ -194,6 +189,15 @@ def combine_numbers(ops: Sequence[str], parts: Sequence[Sequence[float]]) -> lis
         else:
             out.append(max(column) if op == "max" else min(column))
     return out
+
+
+def _weighted_mean(values: Sequence[float], weights: Sequence[float]) -> float:
+    """``sum_r w_r y_r / sum_r w_r`` in Python floats (float64), summed in order: the real-scalar
+    avg of both :func:`combine` and :func:`combine_numbers`, so the two give the same bits."""
+    acc = 0.0
+    for v, w in zip(values, weights):
+        acc += v * w
+    return acc / sum(weights)
 
 
 def identity(op: str, dtype: Any) -> Any:

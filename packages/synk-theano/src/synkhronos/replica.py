@@ -112,9 +112,10 @@ class Replica:
         gives the same answer: it reads only the function's declared outputs."""
         if subset in self._value_dtypes:
             return self._value_dtypes[subset]
-        dtypes = [np.dtype(getattr(var.type, "dtype", "O")) for var in self.output_variables(subset)]
+        outputs = self.output_variables(subset)
+        dtypes = [np.dtype(getattr(var.type, "dtype", "O")) for var in outputs]
         numbers = (len(dtypes) < REPLY_VALUES and "gather" not in self.output_ops(subset)
-                   and all(getattr(var.type, "ndim", None) == 0 for var in self.output_variables(subset))
+                   and all(getattr(var.type, "ndim", None) == 0 for var in outputs)
                    and all(d.kind == "f" and d.itemsize <= 8 for d in dtypes))
         known = self._value_dtypes[subset] = tuple(dtypes) if numbers else None
         return known
