@@ -21,7 +21,7 @@ Update rules (:mod:`synk_lasagne.updates`)
     :func:`~synk_lasagne.updates.sgd`, ``momentum``, ``nesterov_momentum``, ``apply_momentum``,
     ``apply_nesterov_momentum``, ``adagrad``, ``rmsprop``, ``adadelta``, ``adam``, ``adamax``,
     ``amsgrad``, ``norm_constraint``, ``total_norm_constraint`` -> :class:`RuleUpdates`
-Training (:mod:`synk_lasagne.training`)
+Training (:mod:`synk_lasagne.training`, :mod:`synk_lasagne.trainer`)
     :func:`make_train_function` -> :class:`TrainFunction` (one step per call),
     :func:`make_eval_function` -> :class:`EvalFunction` (named metrics), :class:`Trainer`
     (epochs, validation, progress bar, checkpoints, early stopping), :func:`save_checkpoint`,
@@ -47,15 +47,8 @@ Example
 from typing import Any
 
 from synk_lasagne import mnist, updates
-from synk_lasagne.training import (
-    EvalFunction,
-    Trainer,
-    TrainFunction,
-    load_checkpoint,
-    make_eval_function,
-    make_train_function,
-    save_checkpoint,
-)
+from synk_lasagne.trainer import Trainer, load_checkpoint, save_checkpoint
+from synk_lasagne.training import EvalFunction, TrainFunction, make_eval_function, make_train_function
 from synk_lasagne.updates import RuleUpdates
 
 __all__ = ["EvalFunction", "RuleUpdates", "TrainFunction", "Trainer", "conv", "init", "layers", "load_checkpoint",
