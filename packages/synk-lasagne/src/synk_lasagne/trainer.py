@@ -475,8 +475,9 @@ class Trainer:
     progress : bool or None
         Show a tqdm progress bar (loss and samples/s) per epoch on stderr; None: only when stderr
         is a terminal (not in logs).
-    verbose : bool
-        Write one summary line per epoch (and a line when early stopping ends the run) to stdout.
+    verbose : bool or int
+        Write one summary line per epoch (and a line when early stopping ends the run) to stdout;
+        an int ``k``: the lines of epoch 1 and of every ``k``-th epoch only.
         ``progress=False, verbose=False`` train silently; the library's other messages go to
         :mod:`logging` (logger ``synk_lasagne.trainer``).
     checkpoint : str or path, optional
@@ -529,7 +530,7 @@ class Trainer:
 
     def __init__(self, train_fn: TrainFunction, *, eval_fn: Callable[..., Mapping[str, float]] | None = None,
                  batch_size: int = 128, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 eval_slices: int = 1, progress: bool | None = True, verbose: bool = True,
+                 eval_slices: int = 1, progress: bool | None = True, verbose: bool | int = True,
                  checkpoint: str | os.PathLike[str] | None = None, monitor: str = "valid_loss",
                  mode: str = "min", patience: int | None = None, restore_best: bool = True,
                  callbacks: Sequence[Callback] | None = None) -> None:
@@ -539,6 +540,8 @@ class Trainer:
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         if patience is not None and patience < 1:
             raise ValueError(f"patience must be >= 1 (or None), got {patience!r}")
+        if not isinstance(verbose, (bool, int, np.integer)) or (not isinstance(verbose, bool) and verbose < 1):
+            raise ValueError(f"verbose must be True, False or an int >= 1 (a line every k epochs), got {verbose!r}")
         callbacks = list(callbacks or [])
         bad = [cb for cb in callbacks if not isinstance(cb, Callback)]
         if bad:
@@ -566,7 +569,7 @@ class Trainer:
         self.stopped_early = False
         self.stop_training = False
         self._best_values: list[np.ndarray] | None = None
-        self._stepped = False  # whether this Trainer ran a step (the first one compiles)
+        self._sizes: set[int] = set()  # the batch sizes this Trainer has run (a new one compiles)
         self._warned_generators = False
 
     @property
@@ -831,10 +834,11 @@ class Trainer:
             One record per epoch of this call (also appended to :attr:`history`): ``epoch``,
             ``train_loss`` (and ``train_<output>``), ``samples``, ``seconds`` (training time),
             ``samples_per_s``, after validation ``valid_<metric>`` and ``valid_seconds``, and what
-            callbacks add (a :class:`Schedule`'s value).  The first step a Trainer runs compiles
-            and warms up the functions: its epoch's record also has ``first_step_seconds``, and
-            its ``samples_per_s`` counts the epoch's other steps only (all of them when it has
-            one step).
+            callbacks add (a :class:`Schedule`'s value).  A step with a number of rows that the
+            Trainer has not run yet compiles (JAX compiles a program per shape): the epoch's
+            record then has ``warmup_seconds``, the time of those steps, and its
+            ``samples_per_s`` counts the epoch's other steps only (all of them when every step
+            was such a step).
         """
         from tqdm.auto import tqdm
 
@@ -865,7 +869,7 @@ class Trainer:
                     cb.add_to_record(self, record)
                 self.history.append(record)
                 records.append(record)
-                if self.verbose:
+                if self._writes(epoch):
                     tqdm.write(_summary(record))
                 self._after_epoch(record)
                 for cb in self.callbacks:
@@ -888,12 +892,17 @@ class Trainer:
             self.restore_best_epoch()
         return records
 
+    def _writes(self, epoch: int) -> bool:
+        if isinstance(self.verbose, bool):
+            return self.verbose
+        return epoch == 1 or epoch % int(self.verbose) == 0
+
     def _train_epoch(self, epoch: int, train: tuple[Any, ...], batches: list[tuple[dict[str, Any], int]],
                      names: list[str], tqdm: Any) -> dict[str, Any]:
         total = sum(n for _, n in batches)
         sums = np.zeros(len(names))
         rows = 0
-        first_step: tuple[float, int] | None = None
+        warmup_seconds, warmup_rows = 0.0, 0
         bar = tqdm(total=total, desc=f"epoch {epoch}", unit="sample", unit_scale=True, leave=False,
                    disable=None if self.progress is None else not self.progress, mininterval=0.5)
         t0 = time.perf_counter()
@@ -905,9 +914,10 @@ class Trainer:
                 ts = time.perf_counter()
                 out = self.train_fn(*train, **kwargs)
                 values = [float(np.asarray(v)) for v in ([out] if len(names) == 1 else out)]
-                if not self._stepped:
-                    first_step = (time.perf_counter() - ts, n)
-                    self._stepped = True
+                if n not in self._sizes:
+                    warmup_seconds += time.perf_counter() - ts
+                    warmup_rows += n
+                    self._sizes.add(n)
                 self.step = step
                 sums += [v * n for v in values]
                 rows += n
@@ -921,12 +931,12 @@ class Trainer:
         record: dict[str, Any] = {"epoch": epoch}
         record.update({f"train_{name}": s / max(rows, 1) for name, s in zip(names, sums)})
         timed_seconds, timed_rows = seconds, rows
-        if first_step is not None and len(batches) > 1:
-            timed_seconds, timed_rows = seconds - first_step[0], rows - first_step[1]
+        if warmup_rows and warmup_rows < rows:
+            timed_seconds, timed_rows = seconds - warmup_seconds, rows - warmup_rows
         record.update({"samples": rows, "seconds": seconds,
                        "samples_per_s": timed_rows / timed_seconds if timed_seconds > 0 else 0.0})
-        if first_step is not None:
-            record["first_step_seconds"] = first_step[0]
+        if warmup_rows:
+            record["warmup_seconds"] = warmup_seconds
         return record
 
     def restore_best_epoch(self) -> bool:
@@ -999,6 +1009,7 @@ def _summary(record: Mapping[str, Any]) -> str:
             parts.append(f"{key} {value:.4f}")
     parts.append(f"{record['samples_per_s']:.0f} samples/s")
     parts.append(_duration(record["seconds"]))
-    if "first_step_seconds" in record:
-        parts.append(f"(first step, with compilation: {_duration(record['first_step_seconds'])})")
-    return ", ".join(parts)
+    text = ", ".join(parts)
+    if "warmup_seconds" in record:
+        text += f" ({_duration(record['warmup_seconds'])} of it in steps that compile)"
+    return text
