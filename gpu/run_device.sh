@@ -96,7 +96,7 @@ fi
 # CPU mode on 2 of the machine's cores (taskset: a quiet 2-core machine; two cores of different physical
 # cores, not one core's two hyperthreads): the tiny call at 2 ranks (twice; TINY=0 skips it) and the
 # main job (data-parallel against one process on both cores), RUNS rounds (default 3) of its
-# VARIANTS alternating: ';'-separated sets of flags (default: the defaults, then --keep-last-batch),
+# VARIANTS alternating: ';'-separated sets of flags (default: the defaults, then one 1024-row step per epoch),
 # e.g. VARIANTS='--layers 8;--layers 12' (a leading ';': the defaults first); with BASE=<dir holding
 # another tree's packages/ and examples/> (carried), that tree's main job before each of ours; CORES=a,b
 # takes those two cores instead of the first two physical ones
@@ -109,7 +109,7 @@ if [ "$what" = cpu2 ]; then
         2>/dev/null | tee -a "$OUT/tiny_2cores.log" || status=1
     done
   fi
-  IFS=';' read -ra variants <<< "${VARIANTS:-;--keep-last-batch}"
+  IFS=';' read -ra variants <<< "${VARIANTS:-;--batch-size 1024 --drop-last --epochs 500}"
   trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
   for i in $(seq "${RUNS:-3}"); do
     for v in "${!variants[@]}"; do
