@@ -437,8 +437,8 @@ def why_faster_than_cores(run: dict[str, Any], cores: int) -> str:
 
     if run["one_core_ranks"] and blas.wanted(one_core=True) and not blas.wanted(one_core=False):
         return (f"why more than {cores}x: each rank, on one core of its own, multiplies matrices with numpy's "
-                "BLAS, faster per core than XLA's own product that the single process runs on its cores "
-                "(SYNK_CPU_BLAS=0 gives the ranks XLA's product too)")
+                "BLAS, faster per core than XLA's own product, which the single process spreads over its "
+                f"{cores} cores with little gain at this size (SYNK_CPU_BLAS=0 gives the ranks XLA's product too)")
     return (f"why more than {cores}x: the single process's XLA thread pool spreads this model's small products "
             f"over all {cores} cores, and handing work between its threads costs more than it saves; each rank's "
             "pool spans only its own cores")

@@ -158,7 +158,7 @@ def test_main_job_runs(tmp_path, pattern):
     check_job(result, pid, png, baseline=pattern == "host")
 
 
-def test_the_main_job_defaults_and_help(capsys):
+def test_the_main_job_defaults_and_help(capsys, monkeypatch):
     """Epochs are passes (their default depends on the data), --min-accuracy is checked only when
     given, and --help shows every default."""
     import importlib.util
@@ -183,6 +183,10 @@ def test_the_main_job_defaults_and_help(capsys):
     with pytest.raises(SystemExit):
         job.parse_args(["--min-accuracy", "95"])
     assert "a fraction" in capsys.readouterr().err
+    monkeypatch.delenv("SYNK_CPU_BLAS", raising=False)  # a speedup above the cores: the ranks' BLAS products
+    assert "numpy's BLAS" in job.why_faster_than_cores({"one_core_ranks": True}, 2)
+    monkeypatch.setenv("SYNK_CPU_BLAS", "0")  # the same product everywhere: the single process's thread pool
+    assert "thread pool" in job.why_faster_than_cores({"one_core_ranks": True}, 2)
 
 
 @pytest.mark.job
