@@ -1,8 +1,9 @@
 """Every routine task of the Synkhronos monorepo is a nox session.
 
-    nox -s tests        every package's tests, CPU mode, on Python 3.11 and 3.12; on 3.12 also the
-                        synkhronos suite in GPU mode (the JAX engine) on JAX's CPU devices
-                        (SYNK_EMULATE_GPUS)
+    nox -s tests        every package's tests on Python 3.12, CPU mode, then the synkhronos and
+                        reliability suites in GPU mode (the JAX engine) on JAX's CPU devices
+                        (SYNK_EMULATE_GPUS); on Python 3.11 the suites that depend on PyTensor's
+                        version (synk-theano, synk-lasagne)
     nox -s lint         ruff
     nox -s typecheck    mypy on the packages
     nox -s demo         the main job (see README)
@@ -15,8 +16,9 @@ Each session builds its own environment and installs the packages from their own
 (``packages/*/pyproject.toml``), never from what happens to be installed on the machine.
 
 Interpreters: ``tests`` runs on Python 3.11 and 3.12, each one that this machine has (a missing
-one is reported and skipped, except under ``CI``, where nox makes it an error); the other
-sessions run on one of them (3.11 if it runs here, else 3.12).  pyenv's 3.11/3.12 count even
+one is reported and skipped, except under ``CI``, where nox makes it an error): the whole suite on
+the newest, the PyTensor-dependent suites on the other; the other sessions run on one of them
+(3.11 if it runs here, else 3.12).  pyenv's 3.11/3.12 count even
 without an active shim: the noxfile puts their ``bin`` folders on ``PATH``.
 """
 
@@ -66,6 +68,12 @@ def _add_pyenv_interpreters() -> None:
 _add_pyenv_interpreters()
 ONE_PYTHON = next((v for v in PYTHONS if _runs(v)), PYTHONS[0])
 """The interpreter of the sessions that run once (lint, typecheck, demo, docs, bench, reliability)."""
+NEWEST_PYTHON = next((v for v in reversed(PYTHONS) if _runs(v)), PYTHONS[-1])
+"""The interpreter of the whole test suite (the newest PyTensor); the others run :data:`PYTENSOR_SUITES`."""
+PYTENSOR_SUITES = [ROOT / "packages" / "synk-theano" / "tests", ROOT / "packages" / "synk-lasagne" / "tests"]
+"""The suites whose code depends on PyTensor's version (graphs, rewrites, the JAX translation, the
+layers), run on every interpreter; synk_shm and synk_comm know nothing of PyTensor, and the process
+suites (reliability, multi-host, docs examples) test processes, not graphs."""
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
@@ -76,6 +84,10 @@ installs into them several times faster than virtualenv and pip (``.ci/run`` ins
 without uv, virtualenv and pip.  The other sessions keep pip (its configuration, local wheels
 included, which uv does not read)."""
 os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")  # uv takes this machine's interpreters, never downloads one
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
+"""uv installs byte-compiled, as pip does.  Without it, under ``PYTHONDONTWRITEBYTECODE=1`` (set on
+some machines, CI's among them) every process compiled JAX's and PyTensor's sources again at import:
+3x the import time of each test process and worker."""
 
 
 def install_packages(session: nox.Session, *extra: str) -> None:
@@ -86,28 +98,34 @@ def install_packages(session: nox.Session, *extra: str) -> None:
 
 @nox.session(python=PYTHONS, venv_backend=CI_BACKEND)
 def tests(session: nox.Session) -> None:
-    """Every package's tests (CPU mode; GPU tests skip without 2 GPUs), the whole-job tests (marker
-    ``job``) on :data:`ONE_PYTHON` only; on 3.12, the synkhronos suite again in GPU mode (the JAX
-    engine) on JAX's CPU devices."""
+    """Every package's tests on the newest interpreter (:data:`NEWEST_PYTHON`): CPU mode, GPU tests
+    skip without 2 GPUs, the whole-job tests (marker ``job``) too, then the synkhronos and
+    reliability suites again in GPU mode (the JAX engine) on JAX's CPU devices.  On the older
+    interpreter, the parts that differ by PyTensor version (:data:`PYTENSOR_SUITES`, without the
+    jobs, groups of 2 ranks only).  Arguments after ``--`` go to pytest, on every interpreter."""
     # the digits data (MNIST job test); JAX, CPU mode's default backend and GPU mode's engine
     # (synk-theano[cpu])
     install_packages(session, f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]",
                      f"{ROOT / 'packages' / 'synk-theano'}[cpu]", *TEST_DEPS)
-    paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
-    if (ROOT / "tests").exists():
-        paths.append(str(ROOT / "tests"))
-    # The whole examples, demos and docs examples (marker ``job``, a third of a pass) run on one
-    # interpreter, the one of the README's demo; the other passes run every other test.
-    jobs = [] if session.python == ONE_PYTHON or session.posargs else ["-m", "not job"]
+    env = {"PYTHONUNBUFFERED": "1"}
+    newest = session.python == NEWEST_PYTHON
+    if session.posargs:
+        paths, select = [], []
+    elif newest:
+        paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
+        paths += [str(ROOT / "tests")] if (ROOT / "tests").exists() else []
+        select = []
+    else:
+        paths, select = [str(p) for p in PYTENSOR_SUITES], ["-m", "not job"]
+        env["SYNK_TEST_RANKS"] = "2"
     # the slowest tests in every CI log, to see where CI's time goes
-    session.run("pytest", "--durations=20", *jobs, *paths, *session.posargs, env={"PYTHONUNBUFFERED": "1"})
-    if session.python == "3.12" and not session.posargs:
+    session.run("pytest", "--durations=25", *select, *paths, *session.posargs, env=env)
+    if newest and not session.posargs:
         # GPU mode's code paths on JAX's CPU devices: the whole suite on the JAX engine (GPU mode's
         # engine), its workers joined by JAX's multi-process runtime, collectives over gloo -- what
         # CI can check of GPU mode; test_synk_engine.py also runs the engine in 2 and 3 workers; the
-        # reliability suites' bad inputs and faults on the engine (about 80 s).
-        # (JAX came with synk-theano[cpu].)
-        session.run("pytest", "--durations=20", str(ROOT / "packages" / "synk-theano" / "tests"),
+        # reliability suites' bad inputs and faults on the engine.
+        session.run("pytest", "--durations=15", str(ROOT / "packages" / "synk-theano" / "tests"),
                     str(ROOT / "tests" / "reliability"),
                     env={"PYTHONUNBUFFERED": "1", "SYNK_EMULATE_GPUS": "2", "SYNK_TEST_GPU": "1",
                          "PYTENSOR_FLAGS": "floatX=float64"})
