@@ -84,16 +84,12 @@ installs into them several times faster than virtualenv and pip (``.ci/run`` ins
 without uv, virtualenv and pip.  The other sessions keep pip (its configuration, local wheels
 included, which uv does not read)."""
 os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")  # uv takes this machine's interpreters, never downloads one
-os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
-"""uv installs byte-compiled, as pip does.  Without it, under ``PYTHONDONTWRITEBYTECODE=1`` (set on
-some machines, CI's among them) every process compiled JAX's and PyTensor's sources again at import:
-3x the import time of each test process and worker."""
 
 
-def install_packages(session: nox.Session, *extra: str) -> None:
+def install_packages(session: nox.Session, *extra: str, env: dict[str, str] | None = None) -> None:
     """Install every package of the monorepo and ``extra`` requirements in one install call (local
-    dependencies resolve, and each package builds once)."""
-    session.install(*[str(p) for p in PACKAGES], *extra)
+    dependencies resolve, and each package builds once); ``env`` adds to the installer's environment."""
+    session.install(*[str(p) for p in PACKAGES], *extra, env=env)
 
 
 @nox.session(python=PYTHONS, venv_backend=CI_BACKEND)
@@ -105,8 +101,11 @@ def tests(session: nox.Session) -> None:
     jobs, groups of 2 ranks only).  Arguments after ``--`` go to pytest, on every interpreter."""
     # the digits data (MNIST job test); JAX, CPU mode's default backend and GPU mode's engine
     # (synk-theano[cpu])
+    # Byte-compiled at install, as pip does and uv does not by default: under
+    # PYTHONDONTWRITEBYTECODE=1 (set on some machines) every test process and worker would otherwise
+    # compile JAX's and PyTensor's sources again at import, 3x the import time.
     install_packages(session, f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]",
-                     f"{ROOT / 'packages' / 'synk-theano'}[cpu]", *TEST_DEPS)
+                     f"{ROOT / 'packages' / 'synk-theano'}[cpu]", *TEST_DEPS, env={"UV_COMPILE_BYTECODE": "1"})
     env = {"PYTHONUNBUFFERED": "1"}
     newest = session.python == NEWEST_PYTHON
     if session.posargs:
