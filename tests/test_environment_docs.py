@@ -12,6 +12,7 @@ C++ sources count their ``getenv("SYNK_...")``.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +62,7 @@ def _reader_name(func: ast.expr) -> str | None:
     return None
 
 
+@functools.cache
 def reads() -> dict[str, list[tuple[str, object]]]:
     """Every ``SYNK_*`` variable read, with the places (``path:line``) and defaults (the value of a
     literal default, the source text of another expression, :data:`UNSET` for none)."""
