@@ -177,13 +177,13 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=ONE_PYTHON)
 def reliability(session: nox.Session) -> None:
     """Bad-input and fault-injection suites (tests/reliability, with their summary table), then the
-    100,000-call soak (benchmarks/soak.py: memory, file descriptors and /dev/shm stay flat), in CPU
+    100,000-call soak (tests/reliability/soak.py: memory, file descriptors and /dev/shm stay flat), in CPU
     mode; then both again in GPU mode (``SYNK_TEST_GPU=1``, the JAX engine): on the GPUs when 2 or
     more are visible, else on JAX's CPU devices (``SYNK_EMULATE_GPUS=2``), the soak there 20,000
     calls (about 2 ms a step emulated: 100,000 would take 4 minutes).  Each suite prints its table."""
     theano = ROOT / "packages" / "synk-theano"
     install_packages(session, f"{theano}[cpu]", *TEST_DEPS)  # JAX: CPU mode's default backend, as in ``tests``
-    suite, soak = str(ROOT / "tests" / "reliability"), str(ROOT / "benchmarks" / "soak.py")
+    suite, soak = str(ROOT / "tests" / "reliability"), str(ROOT / "tests" / "reliability" / "soak.py")
     env = {"PYTHONUNBUFFERED": "1"}
     session.log("reliability: CPU mode")
     session.run("pytest", suite, *session.posargs, env=env)

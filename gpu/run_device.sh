@@ -45,7 +45,7 @@ if [ "$what" = all ] || [ "$what" = reliability ]; then
   SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 420 python3 -m pytest -p no:cacheprovider -q -rs tests/reliability \
     > "$OUT/reliability_gpu.log" 2>&1 || status=1
   tail -n 40 "$OUT/reliability_gpu.log"
-  SYNK_TEST_GPU=1 timeout 150 python3 benchmarks/soak.py --calls 20000 --sample 5000 2>&1 | tee "$OUT/soak_gpu.log" || status=1
+  SYNK_TEST_GPU=1 timeout 150 python3 tests/reliability/soak.py --calls 20000 --sample 5000 2>&1 | tee "$OUT/soak_gpu.log" || status=1
 fi
 # synk_lasagne's step on an uneven batch (one program cut at its all-reduce) against its chain, every GPU
 if [ "$what" = all ] || [ "$what" = uneven ]; then
@@ -67,7 +67,7 @@ if [ "$what" = hot ]; then  # the engine's call path: its GPU tests, the one-GPU
   timeout 150 python3 -m pytest -p no:cacheprovider -q packages/synk-theano/tests/test_synk_engine_gpu.py 2>&1 \
     | tail -n 5 | tee "$OUT/engine_gpu_tests.log" || status=1
   timeout 320 python3 benchmarks/bench_engine.py --reps 3 2>&1 | tee "$OUT/bench_engine.log" || status=1
-  PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 150 python3 benchmarks/profile_engine_call.py 2>&1 \
+  PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 150 python3 tools/profile_engine_call.py 2>&1 \
     | tee "$OUT/profile_engine_call.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = tiny ]; then  # the engine's tiny call against plain, side by side in one process
@@ -127,7 +127,7 @@ if [ "$what" = cpu2 ]; then
   done
 fi
 # The tiny call at 2 ranks on the two cores machine.physical_cores picks (CORES=a,b to choose: on a
-# VM the host may pair vCPUs as hyperthreads, RESULTS session 23), RUNS times, the trees taking turns (BASE=)
+# VM the host may pair vCPUs as hyperthreads), RUNS times, the trees taking turns (BASE=)
 if [ "$what" = tiny2 ]; then
   two=${CORES:-$(cd benchmarks && python3 -c "from machine import physical_cores; print(','.join(map(str, physical_cores(2))))")}
   trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
@@ -151,7 +151,7 @@ import bench_cpu_scaling as b; print(json.dumps(b.run_one(sys.argv[1], int(sys.a
   for tree in ${PROBE_TREES:-${trees[@]}}; do
     echo "== tree $tree, all-reduce probe"
     PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 \
-      benchmarks/probe_in_program_all_reduce.py --ranks "${PROBE_RANKS:-2,4,8,16}" 2>&1 | grep -v "^ \|^Trace\|^Runtime\|^An NVIDIA\|^Jax plugin" \
+      tools/probe_in_program_all_reduce.py --ranks "${PROBE_RANKS:-2,4,8,16}" 2>&1 | grep -v "^ \|^Trace\|^Runtime\|^An NVIDIA\|^Jax plugin" \
       | tee -a "$OUT/all_reduce.log" || status=1
   done
   for i in $(seq "${RUNS:-2}"); do
@@ -178,18 +178,18 @@ if [ "$what" = tiny16 ]; then
   done
   for tree in "${trees[@]}"; do
     echo "== tree $tree, probe"
-    PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 benchmarks/probe_tiny_call.py \
+    PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 tools/probe_tiny_call.py \
       --ranks 2,16 2>&1 | tee -a "$OUT/probe_tiny_16cores.log" || status=1
   done
 fi
 # The training step on every GPU against hand-written JAX and DDP, under XLA flag variants, then
-# where the engine's step spends its host time (benchmarks/probe_gpu_step.py)
+# where the engine's step spends its host time (tools/probe_gpu_step.py)
 if [ "$what" = step ]; then
-  timeout 420 python3 benchmarks/probe_gpu_step.py 2>&1 | tee "$OUT/probe_gpu_step.log" || status=1
-  timeout 150 python3 benchmarks/probe_gpu_step.py --phases 2>&1 | tee -a "$OUT/probe_gpu_step.log" || status=1
+  timeout 420 python3 tools/probe_gpu_step.py 2>&1 | tee "$OUT/probe_gpu_step.log" || status=1
+  timeout 150 python3 tools/probe_gpu_step.py --phases 2>&1 | tee -a "$OUT/probe_gpu_step.log" || status=1
 fi
 if [ "$what" = profile ]; then
-  timeout 300 python3 benchmarks/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
+  timeout 300 python3 tools/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = comm ]; then
   timeout 180 python3 benchmarks/bench_comm_gpu.py 2>&1 | tee "$OUT/bench_comm_gpu.log" || status=1
