@@ -150,9 +150,10 @@ def test_pytensor_jax_mode_under_bf16_keeps_float32_outputs():
 ROWS = 12
 
 
-def _step(lr=np.float32(0.2), mu=np.float32(0.9)):
+def _step():
     """A momentum step of a small tanh MLP whose gradient is all-reduced in the graph: loss, updates,
     parameters, velocities."""
+    lr, mu = np.float32(0.2), np.float32(0.9)
     rng = np.random.default_rng(2)
     x, y = pt.fmatrix("x"), pt.fmatrix("y")
     w1 = pytensor.shared((rng.standard_normal((8, 16)) / 3).astype(np.float32), name="w1")
