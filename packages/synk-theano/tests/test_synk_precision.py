@@ -26,14 +26,15 @@ RTOL = 2e-2
 
 def products(closed):
     """Every dot_general/conv_general_dilated equation of a ClosedJaxpr, sub-jaxprs included."""
-    from jax.extend.core import subjaxprs
-
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
                 yield eqn
-        for sub in subjaxprs(jaxpr):
-            yield from walk(sub)
+            for value in eqn.params.values():
+                for item in value if isinstance(value, tuple) else (value,):
+                    sub = getattr(item, "jaxpr", item)  # a ClosedJaxpr's, or an open Jaxpr
+                    if hasattr(sub, "eqns"):
+                        yield from walk(sub)
 
     return list(walk(closed.jaxpr))
 

@@ -125,9 +125,18 @@ def _is_array(value: Any) -> bool:
     return isinstance(value, (jax.Array, np.ndarray, np.generic)) or hasattr(value, "aval")
 
 
+def _core() -> Any:
+    """JAX's jaxpr types: ``jax.extend.core`` (``jax.core`` before JAX exported them there)."""
+    try:
+        from jax.extend import core
+    except ImportError:  # pragma: no cover - older JAX
+        from jax import core  # type: ignore[no-redef]
+    return core
+
+
 def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str) -> list[Any]:
     """``jaxpr`` evaluated on ``args`` (binding on the current trace), its products under ``policy``."""
-    from jax.extend.core import Literal
+    Literal = _core().Literal
 
     env: dict[Any, Any] = {}
 
@@ -178,7 +187,7 @@ def _product(eqn: Any, invals: list[Any], policy: str) -> Any:
 
 def _rewritten(value: Any, policy: str) -> Any:
     """A primitive's parameter, with every (closed) jaxpr in it rewritten under ``policy``."""
-    from jax.extend.core import ClosedJaxpr, Jaxpr
+    ClosedJaxpr, Jaxpr = _core().ClosedJaxpr, _core().Jaxpr
 
     if isinstance(value, ClosedJaxpr):
         return _closed(value, policy)
@@ -189,11 +198,23 @@ def _rewritten(value: Any, policy: str) -> Any:
     return value
 
 
-def _has_products(jaxpr: Any) -> bool:
-    from jax.extend.core import subjaxprs
+def _subjaxprs(jaxpr: Any) -> list[Any]:
+    """The jaxprs in the parameters of ``jaxpr``'s equations (one level down)."""
+    ClosedJaxpr, Jaxpr = _core().ClosedJaxpr, _core().Jaxpr
+    found = []
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple) else (value,):
+                if isinstance(item, ClosedJaxpr):
+                    found.append(item.jaxpr)
+                elif isinstance(item, Jaxpr):
+                    found.append(item)
+    return found
 
+
+def _has_products(jaxpr: Any) -> bool:
     return any(eqn.primitive.name in _PRODUCTS for eqn in jaxpr.eqns) or any(
-        _has_products(sub) for sub in subjaxprs(jaxpr))
+        _has_products(sub) for sub in _subjaxprs(jaxpr))
 
 
 def _closed(closed: Any, policy: str) -> Any:
@@ -214,7 +235,7 @@ def _closed(closed: Any, policy: str) -> Any:
 
 def _open(jaxpr: Any, policy: str) -> Any:
     """An open Jaxpr (``checkpoint``'s, ``shard_map``'s) rewritten under ``policy``."""
-    from jax.extend.core import ClosedJaxpr
+    ClosedJaxpr = _core().ClosedJaxpr
 
     if not _has_products(jaxpr):
         return jaxpr
