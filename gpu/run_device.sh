@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -88,6 +88,23 @@ if [ "$what" = all ] || [ "$what" = resnet ]; then
 fi
 if [ "$what" = all ] || [ "$what" = resnet-fp32 ]; then
   timeout 560 python3 benchmarks/bench_resnet.py --batches 64,128 --precisions fp32 2>&1 | tee "$OUT/bench_resnet_fp32.log" || status=1
+fi
+# Mixed precision on ONE GPU (synkhronos.precision): ResNet-50 images/s in bf16 -- ours (precision="bf16"),
+# plain PyTensor JAX under the policy, torchvision AMP (NCHW, channels_last) and AMP + channels_last +
+# torch.compile -- at BATCHES (default 128,256; PRECISIONS=tf32,bf16 adds the TF32 rows, in a second call
+# if one call's 10 minutes do not hold both)
+if [ "$what" = resnet-bf16 ]; then
+  timeout 570 python3 benchmarks/bench_resnet.py --gpus 1 --batches "${BATCHES:-128,256}" --precisions "${PRECISIONS:-bf16}" \
+    --skip ddp 2>&1 | tee "$OUT/bench_resnet_bf16.log" || status=1
+fi
+# The benchmark MLP's step in TF32 and bf16 against DDP (+ autocast bf16) on every GPU, then the CNN MNIST demo in
+# bf16 and in the default precision (accuracy within 0.5 points is the goal)
+if [ "$what" = precision ]; then
+  SYNK_BENCH_PARTS=tf32,bf16 timeout 300 python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu_bf16.log" || status=1
+  for p in bf16 default; do
+    timeout 120 python3 examples/mnist/train_mnist.py --model cnn --precision $p --no-baseline --no-progress \
+      --plot "$OUT/mnist_cnn_$p.png" 2>&1 | tail -n 4 | tee "$OUT/mnist_cnn_$p.log" || status=1
+  done
 fi
 # CPU mode on the machine's CPU cores (16 on the one-GPU kinds): scaling against torch DDP (gloo)
 if [ "$what" = all ] || [ "$what" = cpu ]; then
