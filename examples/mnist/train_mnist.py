@@ -126,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-baseline", action="store_true", help="skip the single-process run (no speedup)")
     parser.add_argument("--plot", default=os.path.join("out", "mnist_training.png"), help="PNG file to write")
     parser.add_argument("--seed", type=int, default=0, help="of the initial weights and the shuffling")
+    parser.add_argument("--precision", choices=["default", "highest", "bf16"], default="default",
+                        help="precision policy of the products (synkhronos.precision): bf16 = bfloat16 operands, "
+                             "float32 accumulation, parameters and state float32; needs JAX")
     parser.add_argument("--min-accuracy", type=float, default=None,
                         help="exit with status 1 if the data-parallel test accuracy (0-1) is lower (default: "
                              "not checked)")
@@ -253,7 +256,7 @@ def run(args: argparse.Namespace, data: mnist.Dataset, n_parallel: int | None, l
     from synkhronos.runtime import current
 
     cores = len(os.sched_getaffinity(0))  # before fork, which pins the master to its own share until close
-    n = synk.fork(n_parallel, use_gpu=False if args.cpu else None)
+    n = synk.fork(n_parallel, use_gpu=False if args.cpu else None, precision=args.precision)
     rt = current()
     assert rt is not None
     kind = "GPUs" if rt.device.use_gpu else f"CPU processes (backend {getattr(rt.device, 'backend', '?')})"
