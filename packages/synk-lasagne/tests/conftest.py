@@ -23,7 +23,6 @@ from lasagne_testutil import assert_no_workers_left, own_entries  # noqa: E402
 import synkhronos as synk  # noqa: E402
 from synkhronos.runtime import current  # noqa: E402
 
-
 RANKS = [int(n) for n in os.environ.get("SYNK_TEST_RANKS", "2,3").split(",")]
 """The group sizes ``ranks`` forks: 2 and 3, or those of ``SYNK_TEST_RANKS`` (e.g. ``2``)."""
 
