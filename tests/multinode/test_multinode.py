@@ -405,10 +405,18 @@ def test_a_host_that_never_connects_is_named(monkeypatch):
     assert current() is None and not worker_pids()
 
 
-@pytest.mark.parametrize("example", ["introductory.py", "batch_vs_batch_s.py"])
-def test_the_seeds_examples_through_the_launcher_on_two_hosts(example):
+EXAMPLE_LINES = {  # what each example prints itself (the start of each of its lines)
+    "introductory.py": ("2 ranks: synkhronos ", "All assertions passed."),
+    "batch_vs_batch_s.py": ("batch ", "batch_s slice(0, 2) -> ", "All assertions passed."),
+}
+
+
+@pytest.mark.parametrize("example, floatx", [("introductory.py", "float32"), ("batch_vs_batch_s.py", "float64")])
+def test_the_seeds_examples_through_the_launcher_on_two_hosts(example, floatx):
     """``python -m synkhronos.launch`` on both "hosts", the seed's script unchanged on node 0 (its
-    ``synk.fork(2, use_gpu=False)`` spans 1 rank here and 1 there); both launchers exit 0.
+    ``synk.fork(2, use_gpu=False)`` spans 1 rank here and 1 there); both launchers exit 0, and
+    print nothing but the script's own lines: no gloo connection lines from the workers, no JAX
+    warnings about float64 truncated on float32 work, no launcher logs.
     (``shared_variables.py`` fails under the JAX engine on one host too: after ``f.as_theano``,
     ``s.get_value()`` reads compute rank 0's value, not the master's; its collectives are
     :func:`test_shared_variable_collectives`.)"""
@@ -419,6 +427,7 @@ def test_the_seeds_examples_through_the_launcher_on_two_hosts(example):
     port = ports.port
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNK_")}
     env[SECRET_ENV] = new_secret()  # the same on both hosts
+    env["PYTENSOR_FLAGS"] = ",".join(filter(None, [env.get("PYTENSOR_FLAGS"), f"floatX={floatx}"]))
 
     def launcher(node: int, *script: str) -> subprocess.Popen[str]:
         return subprocess.Popen([sys.executable, "-m", "synkhronos.launch", "--nnodes", "2", "--node-rank", str(node),
@@ -432,6 +441,10 @@ def test_the_seeds_examples_through_the_launcher_on_two_hosts(example):
         out, _ = here.communicate(timeout=100)
         assert here.returncode == 0 and "All assertions passed." in out, out[-3000:]
         assert there.wait(15) == 0
+        others = there.stdout.read()
+        noise = [line for line in out.splitlines() if not line.startswith(EXAMPLE_LINES[example])]
+        assert not noise, f"lines the user cannot act on, from node 0: {noise}"
+        assert not others, f"node 1's launcher printed: {others[-3000:]}"
     finally:
         ports.close()
         for proc in (here, there):
