@@ -59,9 +59,10 @@ Failure, within :data:`HOST_TIMEOUT_S` (3 s) and no hang
 
 Example
 -------
-The master's side; each other host runs ``Agent(address, node, nproc).serve()``.
+The master's side; each other host runs ``Agent(address, node, nproc).serve()``, every process
+with the same ``SYNK_RUN_SECRET``.
 
->>> hub = Hub("tcp://*:29500")                                 # doctest: +SKIP
+>>> hub = Hub("tcp://10.0.0.1:29500")                          # doctest: +SKIP
 >>> group = SpanGroup.start(hub, nnodes=2, nproc=2)              # doctest: +SKIP
 """
 
