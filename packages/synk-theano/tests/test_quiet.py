@@ -18,6 +18,7 @@ print("before", flush=True)
 drop_gloo_connect_lines()
 os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n")
 os.write(1, b"user line\n[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n")
+os.write(1, b"[Gloo] Rank 0 is NOT connected to: [1]\n")
 os.write(1, b"[Gloo] Rank 2 is conn")
 os.write(1, b"ected to 1 peer ranks.\nprogress 50%")
 time.sleep(0.2)
@@ -28,8 +29,8 @@ print("end without newline", end="")
 
 def test_gloo_lines_are_dropped_and_everything_else_kept():
     out = subprocess.run([sys.executable, "-c", WRITER], capture_output=True, timeout=60, check=True).stdout
-    assert out == (b"before\nuser line\nprogress 50% [Gloo] Rank 3 is not at the start of its line\n"
-                   b"end without newline")
+    assert out == (b"before\nuser line\n[Gloo] Rank 0 is NOT connected to: [1]\n"
+                   b"progress 50% [Gloo] Rank 3 is not at the start of its line\nend without newline")
 
 
 def test_float32_work_requests_no_float64_from_jax():

@@ -10,7 +10,8 @@
 
     A worker that runs on gloo passes its file descriptor 1 through a filter that drops those lines
     and forwards everything else (the user's prints in worker code, other libraries' output)
-    unchanged, a partial line as soon as it cannot be one of them.
+    unchanged, a partial line as soon as it cannot be one of them.  Gloo's line naming ranks it
+    could *not* connect stays.
 
 :func:`request_canonical_dtypes`
     With ``floatX=float32`` JAX runs without 64-bit types (``jax_enable_x64`` off), and PyTensor's
@@ -39,7 +40,9 @@ _filter: threading.Thread | None = None
 
 
 def _keep(line: bytes) -> bool:
-    return not line.startswith(GLOO_PREFIX)
+    """All but gloo's "connected" lines ("[Gloo] Rank r is NOT connected to: [...]" stays: it says
+    which ranks could not be reached)."""
+    return not (line.startswith(GLOO_PREFIX) and b" is connected to " in line)
 
 
 def _forward(read_fd: int, write_fd: int) -> None:
