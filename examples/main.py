@@ -1,7 +1,7 @@
 """Data-parallel training of a small MLP classifier with Synkhronos alone, the loop written by hand
 (what synk-lasagne's ``make_train_function`` and ``Trainer`` wrap; the main job is
 ``examples/mnist/train_mnist.py``), on every GPU when the machine has two or more, else on CPU
-worker processes (one per core).
+worker processes (``synkhronos.cpu.default_ranks``: 4 on 16 cores).
 
 The data live once in OS shared memory (``synk.data``); each step every rank computes the
 gradient of its share of a shuffled minibatch (``batch=`` indices: each rank gathers its own

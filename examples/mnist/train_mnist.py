@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-baseline", action="store_true", help="skip the single-process run (no speedup)")
     parser.add_argument("--plot", default=os.path.join("out", "mnist_training.png"), help="PNG file to write")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=["default", "highest", "bf16"], default="default",
+                        help="precision policy of the products (synkhronos.precision): bf16 = bfloat16 operands, "
+                             "float32 accumulation, parameters and state float32; needs JAX")
     parser.add_argument("--min-accuracy", type=float, default=0.95,
                         help="exit with status 1 if the data-parallel test accuracy is lower")
     parser.add_argument("--mode", default=None,
@@ -221,7 +224,7 @@ def run(args: argparse.Namespace, data: mnist.Dataset, n_parallel: int | None, l
     """Fork, train and test, close: one complete run with ``n_parallel`` ranks."""
     from synkhronos.runtime import current
 
-    n = synk.fork(n_parallel, use_gpu=False if args.cpu else None)
+    n = synk.fork(n_parallel, use_gpu=False if args.cpu else None, precision=args.precision)
     rt = current()
     assert rt is not None
     kind = "GPUs" if rt.device.use_gpu else f"CPU processes (backend {getattr(rt.device, 'backend', '?')})"

@@ -127,6 +127,11 @@ class TrainFunction:
         self._build_sliced = build_sliced
         self._sliced: tuple[Any, Any, Any] | None = None
 
+    @property
+    def precision(self) -> str:
+        """The step's precision policy (:mod:`synkhronos.precision`)."""
+        return str(self.function.precision)
+
     def _sliced_step(self) -> tuple[Any, Any, Any]:
         if self._sliced is None:
             import synkhronos as synk
@@ -236,7 +241,8 @@ def in_graph_all_reduce_pays(own_mode: bool = False) -> bool:
 def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any], rule: Rule = _updates.sgd, *,
                         outputs: Mapping[str, Any] | None = None, bcast_inputs: Sequence[Any] | None = None,
                         sliceable_shareds: Sequence[Any] | None = None, givens: Any = None, weight: Any = None,
-                        function_kwargs: Mapping[str, Any] | None = None, **hyperparameters: Any) -> TrainFunction:
+                        function_kwargs: Mapping[str, Any] | None = None, precision: str | None = None,
+                        **hyperparameters: Any) -> TrainFunction:
     """A callable that runs one data-parallel training step: gradient, all-reduce, update.
 
     ONE Synkhronos function, one command per call: every rank computes the loss and its gradient
@@ -273,6 +279,10 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         for any split of the batch; see :mod:`synk_lasagne.updates`.
     function_kwargs : mapping, optional
         Passed to every :func:`synkhronos.function` call (e.g. ``{"mode": "FAST_COMPILE"}``).
+    precision : {"default", "highest", "bf16"}, optional
+        The precision policy of the step's products (:mod:`synkhronos.precision`; default: the
+        fork's).  ``"bf16"``: bfloat16 operands accumulating in float32; the parameters, the
+        rule's state and the updates stay float32.
     **hyperparameters
         Passed to ``rule`` (``learning_rate=...``, ``momentum=...``, ``grad_transform=...``).
 
@@ -322,6 +332,8 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         result = RuleUpdates(*result)
     names, extra = _outputs(outputs)
     fkw = dict(function_kwargs or {})
+    if precision is not None:
+        fkw["precision"] = precision
     common = {"bcast_inputs": bcast_inputs, "givens": givens, "sliceable_shareds": sliceable or None, **fkw}
     outs = [(loss, "avg"), *extra]
     state = get_state_updates([loss, *(e[0] if isinstance(e, tuple) else e for e in extra)])
@@ -370,7 +382,8 @@ class EvalFunction:
 
 def make_eval_function(metrics: Mapping[str, Any], inputs: Sequence[Any], *,
                        bcast_inputs: Sequence[Any] | None = None, sliceable_shareds: Sequence[Any] | None = None,
-                       givens: Any = None, function_kwargs: Mapping[str, Any] | None = None) -> EvalFunction:
+                       givens: Any = None, function_kwargs: Mapping[str, Any] | None = None,
+                       precision: str | None = None) -> EvalFunction:
     """A Synkhronos function of named scalar metrics (e.g. loss and accuracy), returning a dict.
 
     Parameters
@@ -381,6 +394,8 @@ def make_eval_function(metrics: Mapping[str, Any], inputs: Sequence[Any], *,
         As for :func:`synkhronos.function`.
     function_kwargs : mapping, optional
         Passed to :func:`synkhronos.function`.
+    precision : {"default", "highest", "bf16"}, optional
+        As for :func:`make_train_function`.
 
     Returns
     -------
@@ -394,7 +409,7 @@ def make_eval_function(metrics: Mapping[str, Any], inputs: Sequence[Any], *,
         raise ValueError("make_eval_function needs at least one metric")
     fn = synk.function(list(inputs), outputs=outs, bcast_inputs=bcast_inputs, givens=givens,
                        sliceable_shareds=list(sliceable_shareds) if sliceable_shareds else None,
-                       **dict(function_kwargs or {}))
+                       **dict(function_kwargs or {}), **({} if precision is None else {"precision": precision}))
     return EvalFunction(fn, names)
 
 
