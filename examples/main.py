@@ -76,8 +76,10 @@ def main() -> None:
     parser.add_argument("--n-parallel", type=int, default=None, help="ranks (default: all GPUs or cores)")
     parser.add_argument("--samples", type=int, default=60000)
     parser.add_argument("--no-baseline", action="store_true", help="skip the single-process timing")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="Synkhronos's own log: ranks started, functions distributed, close")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
 
     dim, hidden, classes = 64, 256, 10
     x, y = make_data(args.samples + 10000, dim, classes)
