@@ -1,0 +1,468 @@
+"""``synkhronos.pymc``: a PyMC model's likelihood evaluated data-parallel over the ranks.
+
+:func:`data_parallel` is a context manager.  Inside it, every log-probability graph that PyMC
+builds from the model (``model.logp``, and so ``compile_logp``, ``compile_dlogp``,
+``logp_dlogp_function``, the functions of ``pm.sample``'s NUTS, ``pm.find_MAP`` and ``pm.fit``)
+holds the observed variables' likelihood as one node whose value and gradient come from a
+:func:`synkhronos.function`:
+
+* the observed data and every array of the same number of rows that the likelihood reads
+  (``pm.Data`` containers, numpy arrays in the graph, group indices) are scattered once into the
+  ranks (:func:`synkhronos.data`);
+* at each evaluation the parameters go whole to every rank, each rank sums the log-probability of
+  its own rows and its gradient, the ranks' sums are added (output reduce op ``sum``);
+* every other term (priors, Jacobians of transforms, potentials) is computed once, in the master,
+  by PyMC's own compiled function.
+
+The value is the same sum as PyMC's (to rounding: the rows are added in another order).
+
+Example
+-------
+>>> import numpy as np, pymc as pm
+>>> import synkhronos as synk, synkhronos.pymc as synk_pymc
+>>> synk.fork(2, use_gpu=False)                                                # doctest: +SKIP
+>>> with pm.Model() as model:                                                   # doctest: +SKIP
+...     beta = pm.Normal("beta", 0, 1, shape=20)
+...     pm.Bernoulli("y", logit_p=X @ beta, observed=y)
+>>> with synk_pymc.data_parallel(model):                                        # doctest: +SKIP
+...     idata = pm.sample(draws=1000, chains=4)
+
+What is split and what is not
+    A likelihood term is split when its log-probability is one value per row of its observed
+    data (rows independent given the parameters).  Terms that are one value over all rows (a
+    multivariate or time-series likelihood over the rows), terms whose row ``i`` reads other rows,
+    and observed variables whose row-aligned data containers have another length are refused with
+    a :class:`SplitError` naming the term.  Second derivatives (``compile_d2logp``) of a split
+    term are refused too.  ``model.logp(sum=False)`` (per-row values) is not split.
+
+Chains
+    ``pm.sample(chains=k)`` runs the chains one after another in this process; each evaluation of
+    each chain uses every rank.  ``cores=`` is ignored inside the block (PyMC's chain processes
+    cannot drive the group).  Other NUTS implementations (``nuts_sampler="nutpie"``, ``"numpyro"``)
+    compile the model their own way and are refused inside the block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SplitError", "data_parallel"]
+
+_log = logging.getLogger(__name__)
+
+
+class SplitError(ValueError):
+    """A model (or one of its likelihood terms) that :func:`data_parallel` cannot split exactly."""
+
+
+_SPLITS: dict[int, _Split] = {}
+"""Split likelihoods by id (the id is what the graph's node holds)."""
+_IDS = itertools.count(1)
+
+
+def _rv_name(rv: Any) -> str:
+    op = getattr(rv.owner, "op", None)
+    kind = getattr(op, "name", None) or type(op).__name__
+    return f"{rv.name!r} ({kind})"
+
+
+def _leading(value: Any) -> int | None:
+    """Rows of a root variable's value (its axis-0 length), None for a scalar or a non-array."""
+    from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.graph.basic import Constant
+
+    if isinstance(value, SharedVariable):
+        arr = value.get_value(borrow=True)
+    elif isinstance(value, Constant):
+        arr = value.data
+    else:
+        return None
+    shape = np.shape(arr)
+    return int(shape[0]) if len(shape) else None
+
+
+def _rebuild(outputs: list[Any], replace: dict[Any, Any], rows: int, local_rows: Any) -> list[Any]:
+    """``outputs`` with the variables of ``replace`` replaced, every ``SpecifyShape`` dropped and
+    every ``Alloc`` to ``rows`` rows made an ``Alloc`` to ``local_rows`` (PyMC's graphs hold the full
+    data's shapes; a rank holds some of the rows)."""
+    from pytensor.graph.traversal import toposort
+    from pytensor.tensor.basic import Alloc, get_underlying_scalar_constant_value
+    from pytensor.tensor.exceptions import NotScalarConstantError
+    from pytensor.tensor.shape import SpecifyShape
+
+    memo = dict(replace)
+    for node in toposort(outputs):
+        inputs = [memo.get(i, i) for i in node.inputs]
+        if isinstance(node.op, SpecifyShape):
+            memo[node.outputs[0]] = inputs[0]
+            continue
+        if isinstance(node.op, Alloc) and len(inputs) > 1:
+            try:
+                first = int(get_underlying_scalar_constant_value(inputs[1]))
+            except NotScalarConstantError:
+                first = -1
+            if first == rows:
+                inputs[1] = local_rows
+        if all(a is b for a, b in zip(inputs, node.inputs)):
+            continue
+        new = node.op.make_node(*inputs)
+        memo.update(zip(node.outputs, new.outputs))
+    return [memo.get(o, o) for o in outputs]
+
+
+class _Split:
+    """One group of observed variables with the same number of rows, split over the ranks.
+
+    Holds the synk function (inputs: the row arrays, scattered; broadcast inputs: the parameters;
+    outputs: the summed log-probability and its gradient by each float parameter, reduced with
+    ``sum``), the row Data (scattered once) and one Data per parameter (written at each call).
+    """
+
+    def __init__(self, model: Any, rvs: Sequence[Any], terms: Sequence[Any]) -> None:
+        import pytensor
+        import pytensor.tensor as pt
+        from pytensor.compile.sharedvalue import SharedVariable
+        from pytensor.graph.basic import Constant
+        from pytensor.graph.traversal import graph_inputs
+
+        import synkhronos as synk
+        from synkhronos.runtime import get_runtime
+
+        self.names = [rv.name for rv in rvs]
+        values = [model.rvs_to_values[rv] for rv in rvs]
+        rows = _leading(values[0])
+        if rows is None:
+            raise SplitError(f"likelihood term {_rv_name(rvs[0])} has no rows: its observed value is a scalar "
+                             "or not data; data_parallel splits observed data along axis 0")
+        self.rows = rows
+        row_dims = self._row_dims(model, rvs)
+        for rv, term in zip(rvs, terms):
+            if term.ndim < 1:
+                raise SplitError(f"likelihood term {_rv_name(rv)} is not a sum over rows of independent "
+                                 f"observations: its log-probability is one value over all {rows} rows (a "
+                                 "multivariate or time-series likelihood over the rows); data_parallel cannot "
+                                 "split it: leave this model outside the block")
+        row_roots: list[Any] = []
+        params: list[Any] = []
+        for var in graph_inputs(list(terms)):
+            if isinstance(var, (SharedVariable, Constant)):
+                n = _leading(var)
+                dims = model.named_vars_to_dims.get(var.name, ()) if var.name else ()
+                if dims and row_dims and dims[0] == row_dims and n != rows:
+                    raise SplitError(f"data container {var.name!r} (dims {dims}) has {n} rows but likelihood "
+                                     f"term(s) {self.names} have {rows}: data containers of different lengths; "
+                                     "set them to the same rows (pm.set_data) before the block")
+                if n == rows:
+                    row_roots.append(var)
+                elif isinstance(var, SharedVariable):
+                    params.append(var)
+            else:
+                params.append(var)
+        if not row_roots:
+            raise SplitError(f"likelihood term(s) {self.names}: no data of {rows} rows found in the graph")
+        # Symbolic stand-ins: the row arrays (any number of rows) and the shared parameters.
+        row_ph = [pt.tensor(dtype=v.type.dtype, shape=(None, *v.type.shape[1:]), name=f"rows_{v.name or i}")
+                  for i, v in enumerate(row_roots)]
+        param_ph = [p.type() if isinstance(p, SharedVariable) else p for p in params]
+        for ph, p in zip(param_ph, params):
+            if ph is not p:
+                ph.name = p.name
+        replace = dict(zip(row_roots, row_ph)) | {p: ph for p, ph in zip(params, param_ph) if ph is not p}
+        local_terms = _rebuild(list(terms), replace, rows, row_ph[0].shape[0])
+        self.params = params
+        self.float_params = [i for i, p in enumerate(params) if p.type.dtype.startswith("float")]
+        self._dry_run(model, rvs, row_roots, row_ph, params, param_ph, local_terms)
+        total = pt.add(*(pt.sum(t, dtype="float64") for t in local_terms)) if len(local_terms) > 1 \
+            else pt.sum(local_terms[0], dtype="float64")
+        grads = pytensor.grad(total, [param_ph[i] for i in self.float_params], disconnected_inputs="ignore",
+                              return_disconnected="zero") if self.float_params else []
+        outs = self._without_checks(model, [total, *grads])
+        self.dtype = outs[0].type.dtype
+        self.fn = synk.function(inputs=row_ph, bcast_inputs=param_ph,
+                                outputs=[(o, "sum") for o in outs], name=f"pymc_likelihood_{'_'.join(self.names)}")
+        self.row_data = [synk.data(np.asarray(v.get_value(borrow=True) if isinstance(v, SharedVariable)
+                                              else v.data), var=ph) for v, ph in zip(row_roots, row_ph)]
+        self.param_data: list[Any] = [None] * len(params)
+        self.value_only = [0]
+        _log.info("data_parallel: likelihood %s split over %d ranks (%d rows; %d row arrays scattered, %d "
+                  "parameters broadcast)", self.names, get_runtime().size, rows, len(row_roots),
+                  len(params))
+
+    @staticmethod
+    def _row_dims(model: Any, rvs: Sequence[Any]) -> str | None:
+        dims = model.named_vars_to_dims.get(rvs[0].name) if rvs[0].name else None
+        return dims[0] if dims else None
+
+    def _dry_run(self, model: Any, rvs: Sequence[Any], row_roots: list[Any], row_ph: list[Any], params: list[Any],
+                 param_ph: list[Any], local_terms: list[Any]) -> None:
+        """Refuse a term whose row ``i`` is not a function of row ``i`` alone: evaluate the terms
+        (in the master, on a few rows, at the model's initial point) on rows ``[0, k)`` and on rows
+        ``[1, k)``; each must give one value per row, and the same values for the rows in both."""
+        import pytensor
+        from pytensor.compile.sharedvalue import SharedVariable
+        from pytensor.graph.basic import Constant
+
+        k = min(self.rows, 4)
+        if k < 2:
+            return
+        point = model.initial_point(0)
+        values = []
+        for p in params:
+            if isinstance(p, SharedVariable):
+                values.append(p.get_value(borrow=True))
+            elif isinstance(p, Constant):
+                values.append(p.data)
+            elif p.name in point:
+                values.append(point[p.name])
+            else:
+                raise SplitError(f"likelihood term(s) {self.names} read {p} (not a model variable nor data): "
+                                 "data_parallel cannot give it to the ranks")
+        fn = pytensor.function([*row_ph, *[ph for ph in param_ph]], local_terms, mode="FAST_COMPILE",
+                               on_unused_input="ignore")
+        rows_all = [np.asarray(v.get_value(borrow=True) if isinstance(v, SharedVariable) else v.data)
+                    for v in row_roots]
+        for rv, full, part in zip(rvs, fn(*[r[:k] for r in rows_all], *values),
+                                  fn(*[r[1:k] for r in rows_all], *values)):
+            full, part = np.asarray(full), np.asarray(part)
+            if full.shape[:1] != (k,) or part.shape[:1] != (k - 1,) or not np.allclose(full[1:], part,
+                                                                                     equal_nan=True):
+                raise SplitError(f"likelihood term {_rv_name(rv)} is not a sum over rows of independent "
+                                 "observations: the log-probability of a row depends on other rows (or on a "
+                                 f"parameter with one value per row); data_parallel cannot split it")
+
+    @staticmethod
+    def _without_checks(model: Any, outs: list[Any]) -> list[Any]:
+        """PyMC's parameter checks as PyMC compiles them: ``-inf`` where a check fails (or removed,
+        ``check_bounds=False``), so that every rank's backend can compile the graph."""
+        from pymc.logprob.utils import local_check_parameter_to_ninf_switch, local_remove_check_parameter
+        from pytensor.graph.fg import FunctionGraph
+        from pytensor.graph.rewriting.basic import in2out
+
+        rewrite = local_check_parameter_to_ninf_switch if model.check_bounds else local_remove_check_parameter
+        fgraph = FunctionGraph(outputs=outs, clone=False)
+        in2out(rewrite).rewrite(fgraph)
+        return list(fgraph.outputs)
+
+    def __call__(self, values: Sequence[Any], with_grad: bool) -> list[Any]:
+        import synkhronos as synk
+
+        data = self.param_data
+        for i, v in enumerate(values):
+            d = data[i]
+            if d is None or d.shape != np.shape(v):
+                data[i] = synk.data(np.array(v, dtype=self.params[i].type.dtype))
+            else:
+                d.data[...] = v
+        out = self.fn(*self.row_data, *data, output_subset=None if with_grad else self.value_only)
+        return out if isinstance(out, list) else [out]
+
+
+def _op_class() -> type:
+    """The graph node of a split likelihood (made on first use: PyTensor is imported lazily)."""
+    global _OP
+    if _OP is not None:
+        return _OP
+    import pytensor.tensor as pt
+    from pytensor.gradient import DisconnectedType
+    from pytensor.graph.basic import Apply
+    from pytensor.graph.op import Op
+
+    class SplitLikelihood(Op):
+        """Outputs: the summed log-likelihood of a :class:`_Split`, then (``with_grad``) its
+        gradient by each float parameter.  Inputs: the parameters."""
+
+        __props__ = ("split_id", "with_grad")
+
+        def __init__(self, split_id: int, with_grad: bool = True) -> None:
+            self.split_id = split_id
+            self.with_grad = with_grad
+
+        def make_node(self, *params: Any) -> Apply:
+            split = _SPLITS[self.split_id]
+            inputs = [pt.as_tensor_variable(p) for p in params]
+            outputs = [pt.scalar(dtype=split.dtype)]
+            if self.with_grad:
+                outputs += [inputs[i].type() for i in split.float_params]
+            return Apply(self, inputs, outputs)
+
+        def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+            split = _SPLITS.get(self.split_id)
+            if split is None:
+                raise RuntimeError(f"likelihood split {self.split_id} is gone: its data_parallel block has ended "
+                                   "(a function compiled inside the block runs only inside it)")
+            res = split(inputs, self.with_grad)
+            for storage, value, var in zip(output_storage, res, node.outputs):
+                storage[0] = np.asarray(value, dtype=var.type.dtype).reshape(var.type.shape if all(
+                    s is not None for s in var.type.shape) else np.shape(value))
+
+        def pullback(self, inputs: Any, outputs: Any, output_grads: Any) -> list[Any]:
+            if any(not isinstance(g.type, DisconnectedType) for g in output_grads[1:]):
+                raise SplitError("second derivatives of a likelihood split by data_parallel are not supported "
+                                 "(compile_d2logp, Hessians): compile them outside the block")
+            split = _SPLITS[self.split_id]
+            grads_of = outputs if self.with_grad else SplitLikelihood(self.split_id, True).make_node(*inputs).outputs
+            g = output_grads[0]
+            result: list[Any] = []
+            j = 1
+            for i, inp in enumerate(inputs):
+                if i in split.float_params:
+                    result.append(g * grads_of[j])
+                    j += 1
+                else:
+                    result.append(inp.zeros_like(dtype=g.dtype))
+            return result
+
+        def connection_pattern(self, node: Any) -> list[list[bool]]:
+            return [[True] * len(node.outputs) for _ in node.inputs]
+
+    _OP = SplitLikelihood
+    _register_rewrite(SplitLikelihood)
+    return _OP
+
+
+_OP: type | None = None
+
+
+def _register_rewrite(op_class: type) -> None:
+    """A rewrite that computes no gradient where the compiled function reads only the value
+    (``compile_logp``): one call per evaluation either way."""
+    from pytensor.graph.rewriting.basic import node_rewriter
+    from pytensor.tensor.rewriting.basic import register_specialize
+
+    @node_rewriter([op_class])
+    def synk_likelihood_value_only(fgraph: Any, node: Any) -> Any:
+        op = node.op
+        if not op.with_grad or any(fgraph.clients.get(o) for o in node.outputs[1:]):
+            return None
+        return {node.outputs[0]: op_class(op.split_id, False).make_node(*node.inputs).outputs[0]}
+
+    register_specialize(synk_likelihood_value_only)
+
+
+class _Hook:
+    """The model's ``logp`` inside a :func:`data_parallel` block (an attribute of the model
+    object, removed at the block's end)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.original = model.logp
+        self.splits: dict[tuple[int, ...], int] = {}
+
+    def logp(self, vars: Any = None, jacobian: bool = True, sum: bool = True) -> Any:
+        from pytensor.tensor.math import variadic_add
+        from pytensor.tensor import as_tensor
+
+        model = self.model
+        if not sum:
+            return self.original(vars=vars, jacobian=jacobian, sum=False)
+        if vars is None:
+            varlist = [*model.free_RVs, *model.observed_RVs, *model.potentials]
+        elif not isinstance(vars, (list, tuple)):
+            varlist = [vars]
+        else:
+            varlist = list(vars)
+        observed = set(model.observed_RVs)
+        obs = [v for v in varlist if v in observed]
+        rest = [v for v in varlist if v not in observed]
+        factors = [as_tensor(f, allow_xtensor_conversion=True).sum()
+                   for f in (self.original(vars=rest, jacobian=jacobian, sum=False) if rest else [])]
+        op = _op_class()
+        for split_id, params in self._splits(obs):
+            factors.append(op(split_id, True).make_node(*params).outputs[0])
+        total = variadic_add(*factors)
+        name = "__logp" if jacobian else "__logp_nojac"
+        total.name = f"{name}_{model.name}" if model.name else name
+        return total
+
+    def _splits(self, obs: list[Any]) -> Iterator[tuple[int, list[Any]]]:
+        """(split id, parameters) of each group of ``obs`` with the same number of rows."""
+        groups: dict[int | None, list[Any]] = {}
+        for rv in obs:
+            groups.setdefault(_leading(self.model.rvs_to_values[rv]), []).append(rv)
+        for rvs in groups.values():
+            key = tuple(sorted(id(rv) for rv in rvs))
+            split_id = self.splits.get(key)
+            if split_id is None:
+                terms = self.original(vars=rvs, jacobian=True, sum=False)
+                split_id = next(_IDS)
+                _SPLITS[split_id] = _Split(self.model, rvs, terms)
+                self.splits[key] = split_id
+            yield split_id, _SPLITS[split_id].params
+
+    def close(self) -> None:
+        for split_id in self.splits.values():
+            split = _SPLITS.pop(split_id, None)
+            if split is not None:
+                for d in [*split.row_data, *split.param_data]:
+                    if d is not None:
+                        d.free_memory()
+
+
+@contextmanager
+def data_parallel(model: Any) -> Iterator[Any]:
+    """Evaluate ``model``'s likelihood data-parallel over the ranks inside the block.
+
+    Parameters
+    ----------
+    model : pymc.Model
+        A model whose observed variables' log-probability is a sum over rows of their data.
+
+    Yields
+    ------
+    pymc.Model
+        ``model`` itself.
+
+    Raises
+    ------
+    RuntimeError
+        Before :func:`synkhronos.fork`, or in a worker.
+    SplitError
+        When PyMC first builds the model's log-probability inside the block, for a likelihood term
+        that is not a sum over rows of independent observations, or row data of different lengths;
+        the message names the term.  Nothing has run in the ranks then.
+
+    Notes
+    -----
+    Splitting happens the first time PyMC builds the model's ``logp`` inside the block (its row
+    arrays are scattered then, once).  Functions compiled inside the block call the ranks and work
+    only inside it.  ``pm.sample`` inside the block runs its chains in this process (``cores`` is
+    set to 1) with PyMC's own NUTS; ``nuts_sampler`` other than ``"pymc"`` is refused.
+    """
+    import pymc
+
+    from synkhronos.runtime import get_runtime
+
+    rt = get_runtime()
+    if not rt.is_master:
+        raise RuntimeError("synkhronos.pymc.data_parallel() is for the master process")
+    if "logp" in vars(model):
+        raise RuntimeError("data_parallel blocks of one model cannot nest")
+    hook = _Hook(model)
+    original_sample = pymc.sample
+
+    def sample(*args: Any, **kwargs: Any) -> Any:
+        sampler = kwargs.get("nuts_sampler", "pymc")
+        if sampler != "pymc":
+            raise ValueError(f"nuts_sampler={sampler!r} compiles the model its own way: inside "
+                             "synkhronos.pymc.data_parallel use PyMC's NUTS (nuts_sampler='pymc')")
+        cores = kwargs.get("cores")
+        if cores not in (None, 1):
+            _log.info("data_parallel: cores=%s ignored: chains run one after another here, every evaluation on "
+                      "all ranks", cores)
+        kwargs["cores"] = 1
+        return original_sample(*args, **kwargs)
+
+    model.logp = hook.logp
+    pymc.sample = sample
+    try:
+        yield model
+    finally:
+        pymc.sample = original_sample
+        vars(model).pop("logp", None)
+        hook.close()
