@@ -227,14 +227,22 @@ class _Split:
                                on_unused_input="ignore")
         rows_all = [np.asarray(v.get_value(borrow=True) if isinstance(v, SharedVariable) else v.data)
                     for v in row_roots]
-        for rv, full, part in zip(rvs, fn(*[r[:k] for r in rows_all], *values),
-                                  fn(*[r[1:k] for r in rows_all], *values)):
+        others = [f"{p.name or p} ({np.shape(v)[0]} rows)" for p, v in zip(params, values) if np.ndim(v)]
+        why = ("the log-probability of a row depends on other rows, or on a parameter or data of another "
+               f"length ({', '.join(others) or 'none'}: per-row latent variables and data containers of "
+               f"another length than the {self.rows} rows are not split)")
+        try:
+            full_rows = fn(*[r[:k] for r in rows_all], *values)
+            part_rows = fn(*[r[1:k] for r in rows_all], *values)
+        except ValueError as exc:
+            raise SplitError(f"likelihood term(s) {', '.join(map(_rv_name, rvs))} are not sums over rows of "
+                             f"independent observations: {why}; data_parallel cannot split them ({exc})") from None
+        for rv, full, part in zip(rvs, full_rows, part_rows):
             full, part = np.asarray(full), np.asarray(part)
             if full.shape[:1] != (k,) or part.shape[:1] != (k - 1,) or not np.allclose(full[1:], part,
                                                                                      equal_nan=True):
                 raise SplitError(f"likelihood term {_rv_name(rv)} is not a sum over rows of independent "
-                                 "observations: the log-probability of a row depends on other rows (or on a "
-                                 f"parameter with one value per row); data_parallel cannot split it")
+                                 f"observations: {why}; data_parallel cannot split it")
 
     @staticmethod
     def _without_checks(model: Any, outs: list[Any]) -> list[Any]:
@@ -401,7 +409,10 @@ class _Hook:
             if split is not None:
                 for d in [*split.row_data, *split.param_data]:
                     if d is not None:
-                        d.free_memory()
+                        try:
+                            d.free_memory()
+                        except Exception as exc:  # a group that broke while the block ran
+                            _log.debug("data_parallel: freeing %r: %r", d, exc)
 
 
 @contextmanager

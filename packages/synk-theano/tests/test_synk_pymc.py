@@ -1,0 +1,203 @@
+"""synkhronos.pymc: a PyMC model's likelihood split over the ranks, checked against PyMC's own
+functions outside the block (PyMC 6 needs PyTensor 3.3: Python >= 3.12; skipped elsewhere).
+
+PyMC's own functions compile in PyTensor's FAST_COMPILE mode here (the default, Numba, takes
+seconds per function); the ranks compile with their own backend either way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+pm = pytest.importorskip("pymc", reason="PyMC 6 (Python >= 3.12, PyTensor 3.3)")
+
+import pytensor  # noqa: E402
+import pytensor.tensor as pt  # noqa: E402
+from synk_testutil import TIMEOUT, USE_GPU, own_entries, worker_pids  # noqa: E402
+
+import synkhronos as synk  # noqa: E402
+from synkhronos.pymc import SplitError, data_parallel  # noqa: E402
+from synkhronos.runtime import current  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(TIMEOUT), pytest.mark.cpu_only("PyMC's samplers run on the host")]
+
+MODE = "FAST_COMPILE"
+
+
+@pytest.fixture(autouse=True)
+def fast_compile():
+    with pytensor.config.change_flags(mode=MODE):
+        yield
+
+
+def logistic(n: int, seed: int = 0) -> pm.Model:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4))
+    y = (rng.random(n) < 1 / (1 + np.exp(-x @ np.array([1.0, -0.5, 0.25, 0.0]) - 0.3))).astype("int64")
+    with pm.Model() as model:
+        a = pm.Normal("a", 0, 2)
+        beta = pm.Normal("beta", 0, 1, shape=4)
+        pm.Bernoulli("y", logit_p=a + x @ beta, observed=y)
+    return model
+
+
+def linear(n: int, seed: int = 1) -> pm.Model:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=n)
+    with pm.Model(coords={"obs": range(n)}) as model:
+        xd = pm.Data("x", x, dims="obs")
+        a = pm.Normal("a", 0, 5)
+        b = pm.Normal("b", 0, 5)
+        sigma = pm.HalfNormal("sigma", 2)
+        pm.Normal("y", a + b * xd, sigma, observed=1.5 + 2.0 * x + rng.normal(size=n) * 0.7, dims="obs")
+    return model
+
+
+def hierarchical(n: int, seed: int = 2, groups: int = 5) -> pm.Model:
+    rng = np.random.default_rng(seed)
+    g = rng.integers(0, groups, size=n)
+    effects = rng.normal(size=groups)
+    x = rng.normal(size=n)
+    with pm.Model() as model:
+        gd = pm.Data("g", g)
+        xd = pm.Data("x", x)
+        mu = pm.Normal("mu", 0, 2)
+        tau = pm.HalfNormal("tau", 1)
+        z = pm.Normal("z", 0, 1, shape=groups)
+        b = pm.Normal("b", 0, 2)
+        sigma = pm.Exponential("sigma", 1)
+        pm.StudentT("y", nu=5, mu=mu + tau * z[gd] + b * xd, sigma=sigma,
+                    observed=effects[g] + 0.5 * x + rng.normal(size=n) * 0.5)
+    return model
+
+
+MODELS = {"logistic": logistic, "linear": linear, "hierarchical": hierarchical}
+
+
+def random_point(model: pm.Model, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: v + rng.normal(size=np.shape(v)) * 0.3 for k, v in model.initial_point().items()}
+
+
+def assert_rel(got, want, rtol: float) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape
+    scale = np.maximum(np.abs(want), 1.0)
+    assert np.all(np.abs(got - want) <= rtol * scale), (got, want)
+
+
+ROWS = {("logistic", 2): 102, ("logistic", 3): 103, ("linear", 2): 101, ("linear", 3): 102,
+        ("hierarchical", 2): 105, ("hierarchical", 3): 105}
+"""Rows of each model on 2 and 3 ranks: each model split evenly once and unevenly once."""
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_logp_and_dlogp_equal_pymc_outside_the_block(ranks, name):
+    model = MODELS[name](ROWS[name, ranks])
+    points = [random_point(model, s) for s in range(3)]
+    logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    want = [(logp(p), dlogp(p)) for p in points]
+    with data_parallel(model):
+        logp_in, dlogp_in = model.compile_logp(), model.compile_dlogp()
+        vg = model.logp_dlogp_function(ravel_inputs=True)
+        got = [(logp_in(p), dlogp_in(p)) for p in points]
+        from pymc.blocking import DictToArrayBijection
+
+        names = [v.name for v in model.continuous_value_vars]
+        got_vg = [vg(DictToArrayBijection.map({k: p[k] for k in names}).data) for p in points]
+    for (lw, dw), (lg, dg), (lv, dv) in zip(want, got, got_vg):
+        assert_rel(lg, lw, 1e-9)
+        assert_rel(dg, dw, 1e-9)
+        assert_rel(lv, lw, 1e-9)
+        assert_rel(dv, dw, 1e-9)
+    assert "logp" not in vars(model)  # the block's hook is gone
+    assert_rel(model.compile_logp()(points[0]), want[0][0], 0)
+
+
+def test_find_map_reaches_pymc_point(ranks):
+    model = hierarchical(101)
+    want = pm.find_MAP(model=model, progressbar=False, seed=1)
+    with data_parallel(model):
+        got = pm.find_MAP(model=model, progressbar=False, seed=1)
+    for k in model.initial_point():
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def test_sample_and_fit_inside_the_block(ranks):
+    model = linear(203)
+    with data_parallel(model):
+        idata = pm.sample(draws=40, tune=40, chains=2, cores=2, random_seed=3, progressbar=False,
+                          compute_convergence_checks=False, model=model)
+        approx = pm.fit(n=100, method="advi", model=model, random_seed=4, progressbar=False)
+    plain = pm.fit(n=100, method="advi", model=model, random_seed=4, progressbar=False)
+    post = idata.posterior
+    assert post.sizes["chain"] == 2 and post.sizes["draw"] == 40
+    # the data were made with a = 1.5, b = 2, sigma = 0.7; 203 rows pin them to about 0.05
+    assert abs(float(post["a"].mean()) - 1.5) < 0.3
+    assert abs(float(post["b"].mean()) - 2.0) < 0.3
+    assert abs(float(post["sigma"].mean()) - 0.7) < 0.2
+    # ADVI's steps inside the block are PyMC's own, from the same seed: the same losses
+    assert np.all(np.isfinite(approx.hist))
+    np.testing.assert_allclose(approx.hist, plain.hist, rtol=1e-6)
+    np.testing.assert_allclose(approx.mean.eval(), plain.mean.eval(), rtol=1e-6, atol=1e-9)
+
+
+def test_refuses_a_multivariate_likelihood_over_the_rows(ranks):
+    rng = np.random.default_rng(5)
+    with pm.Model() as model:
+        s = pm.HalfNormal("s", 1)
+        pm.MvNormal("y_mv", mu=pt.zeros(12), cov=s * np.eye(12), observed=rng.normal(size=12))
+    with data_parallel(model), pytest.raises(SplitError, match=r"'y_mv' \(.*not a sum over rows"):
+        model.compile_logp()
+
+
+def test_refuses_a_parameter_with_one_value_per_row(ranks):
+    rng = np.random.default_rng(6)
+    with pm.Model() as model:
+        z = pm.Normal("z", 0, 1, shape=30)
+        pm.Normal("y_latent", z, 1, observed=rng.normal(size=30))
+    with data_parallel(model), pytest.raises(SplitError, match=r"'y_latent'.*z \(30 rows\)"):
+        model.compile_dlogp()
+
+
+def test_refuses_data_containers_of_different_lengths(ranks):
+    rng = np.random.default_rng(7)
+    with pm.Model(coords={"obs": range(20)}) as model:
+        x = pm.Data("x_rows", rng.normal(size=20), dims="obs")
+        pm.Normal("y_rows", x, 1, observed=rng.normal(size=20), dims="obs")
+    x.set_value(rng.normal(size=21))
+    with data_parallel(model), pytest.raises(SplitError, match="'x_rows'.*21 rows.*'y_rows'.*20"):
+        model.compile_logp()
+
+
+def test_refuses_other_nuts_samplers(ranks):
+    model = linear(20)
+    with data_parallel(model), pytest.raises(ValueError, match="nuts_sampler='numpyro'"):
+        pm.sample(nuts_sampler="numpyro", model=model)
+
+
+def test_a_rank_that_dies_while_sampling_fails_sampling_quickly(ranks):
+    if ranks != 2:
+        pytest.skip("one death is enough: the 2-rank group")
+    prefix = current().group.prefix
+    model = logistic(60)
+    killed: list[float] = []
+
+    def kill_a_rank(trace, draw):
+        if not killed:
+            os.kill(worker_pids()[0], signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    with pytest.raises(synk.WorkerDiedError):
+        with data_parallel(model):
+            pm.sample(draws=200, tune=10, chains=1, random_seed=1, progressbar=False, callback=kill_a_rank,
+                      compute_convergence_checks=False, model=model)
+    assert killed and time.monotonic() - killed[0] < 5
+    synk.close()
+    assert own_entries(prefix) == []
+    synk.fork(2, use_gpu=USE_GPU)  # the module's group again, for the fixture's close
