@@ -171,7 +171,7 @@ def test_refuses_data_containers_of_different_lengths(ranks):
         x = pm.Data("x_rows", rng.normal(size=20), dims="obs")
         pm.Normal("y_rows", x, 1, observed=rng.normal(size=20), dims="obs")
     x.set_value(rng.normal(size=21))
-    with data_parallel(model), pytest.raises(SplitError, match="'x_rows'.*21 rows.*'y_rows'.*20"):
+    with data_parallel(model), pytest.raises(SplitError, match=r"'x_rows'.*21 rows.*'y_rows'.*20"):
         model.compile_logp()
 
 
@@ -193,10 +193,9 @@ def test_a_rank_that_dies_while_sampling_fails_sampling_quickly(ranks):
             os.kill(worker_pids()[0], signal.SIGKILL)
             killed.append(time.monotonic())
 
-    with pytest.raises(synk.WorkerDiedError):
-        with data_parallel(model):
-            pm.sample(draws=200, tune=10, chains=1, random_seed=1, progressbar=False, callback=kill_a_rank,
-                      compute_convergence_checks=False, model=model)
+    with pytest.raises(synk.WorkerDiedError), data_parallel(model):
+        pm.sample(draws=200, tune=10, chains=1, random_seed=1, progressbar=False, callback=kill_a_rank,
+                  compute_convergence_checks=False, model=model)
     assert killed and time.monotonic() - killed[0] < 5
     synk.close()
     assert own_entries(prefix) == []

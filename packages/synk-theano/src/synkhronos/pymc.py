@@ -180,8 +180,9 @@ class _Split:
         self._dry_run(model, rvs, row_roots, row_ph, params, param_ph, local_terms)
         total = pt.add(*(pt.sum(t, dtype="float64") for t in local_terms)) if len(local_terms) > 1 \
             else pt.sum(local_terms[0], dtype="float64")
-        grads = pytensor.grad(total, [param_ph[i] for i in self.float_params], disconnected_inputs="ignore",
-                              return_disconnected="zero") if self.float_params else []
+        wrt = [param_ph[i] for i in self.float_params]
+        grads: list[Any] = list(pytensor.grad(total, wrt, disconnected_inputs="ignore",
+                                              return_disconnected="zero")) if wrt else []
         outs = self._without_checks(model, [total, *grads])
         self.dtype = outs[0].type.dtype
         self.fn = synk.function(inputs=row_ph, bcast_inputs=param_ph,
@@ -363,8 +364,8 @@ class _Hook:
         self.splits: dict[tuple[int, ...], int] = {}
 
     def logp(self, vars: Any = None, jacobian: bool = True, sum: bool = True) -> Any:
-        from pytensor.tensor.math import variadic_add
         from pytensor.tensor import as_tensor
+        from pytensor.tensor.math import variadic_add
 
         model = self.model
         if not sum:
