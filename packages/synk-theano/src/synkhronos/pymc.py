@@ -181,8 +181,8 @@ class _Split:
         total = pt.add(*(pt.sum(t, dtype="float64") for t in local_terms)) if len(local_terms) > 1 \
             else pt.sum(local_terms[0], dtype="float64")
         wrt = [param_ph[i] for i in self.float_params]
-        grads: list[Any] = list(pytensor.grad(total, wrt, disconnected_inputs="ignore",
-                                              return_disconnected="zero")) if wrt else []
+        grads: Any = pytensor.grad(total, wrt, disconnected_inputs="ignore", return_disconnected="zero") \
+            if wrt else []
         outs = self._without_checks(model, [total, *grads])
         self.dtype = outs[0].type.dtype
         self.fn = synk.function(inputs=row_ph, bcast_inputs=param_ph,
