@@ -23,6 +23,7 @@ Usage (repository root, the packages and PyMC importable)::
     python benchmarks/bench_pymc.py --rows 20000 --draws 200 --tune 200 --chains 1 --ranks 2
     python benchmarks/bench_pymc.py --rows 1000000 --draws 1000 --tune 1000 --chains 4 --ranks 16 \\
         --samplers synk,pymc,nutpie,numpyro
+    python benchmarks/bench_pymc.py --evals --rows 100000 --ranks 2     # microseconds per evaluation
 """
 
 from __future__ import annotations
@@ -93,6 +94,49 @@ def run_one(sampler: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def per_evaluation(args: argparse.Namespace) -> None:
+    """Microseconds per evaluation of the log-probability and its gradient (``logp_dlogp_function``,
+    what NUTS calls): PyMC's own function, the split one at ``rows`` rows, and the split one at one
+    row per rank (the call path: master to ranks and back, with almost no rows to compute)."""
+    import pymc as pm
+
+    import synkhronos as synk
+    from synkhronos.pymc import data_parallel
+
+    def model_of(rows: int) -> Any:
+        x, y = make_data(rows, args.features)
+        with pm.Model() as model:
+            intercept = pm.Normal("intercept", 0, 2)
+            beta = pm.Normal("beta", 0, 1, shape=args.features)
+            pm.Bernoulli("y", logit_p=intercept + x @ beta, observed=y)
+        return model
+
+    def timed(fn: Any, q: np.ndarray, calls: int) -> float:
+        fn(q)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(q)
+        return (time.perf_counter() - start) / calls * 1e6
+
+    q = np.full(args.features + 1, 0.01)
+    model = model_of(args.rows)
+    plain = timed(model.logp_dlogp_function(ravel_inputs=True), q, args.calls)
+    synk.fork(args.ranks, use_gpu=False)
+    with data_parallel(model):
+        split = timed(model.logp_dlogp_function(ravel_inputs=True), q, args.calls)
+    tiny = model_of(args.ranks)
+    with data_parallel(tiny):
+        floor = timed(tiny.logp_dlogp_function(ravel_inputs=True), q, args.calls)
+    synk.close()
+    print(f"logp and gradient, {args.rows} rows x {args.features} features; {platform.node()}, "
+          f"{os.cpu_count()} CPUs\n")
+    print("| evaluation | us per call |")
+    print("|---|---|")
+    print(f"| PyMC's own (default mode), one process | {plain:.0f} |")
+    print(f"| synk, {args.ranks} ranks | {split:.0f} |")
+    print(f"| synk, {args.ranks} ranks, one row per rank (the call path) | {floor:.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="PyMC logistic regression: synk against PyMC's samplers")
     parser.add_argument("--rows", type=int, default=20_000)
@@ -103,8 +147,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--samplers", default="synk,pymc,nutpie,numpyro")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--evals", action="store_true",
+                        help="instead: microseconds per logp-and-gradient evaluation (plain, split, call path)")
+    parser.add_argument("--calls", type=int, default=300, help="evaluations timed with --evals")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: run this sampler
     args = parser.parse_args()
+    if args.evals:
+        per_evaluation(args)
+        return
     if args.one:
         print("ROW " + json.dumps(run_one(args.one, args)), flush=True)
         return
