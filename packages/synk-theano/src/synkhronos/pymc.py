@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -190,6 +191,7 @@ class _Split:
         self.row_data = [synk.data(np.asarray(v.get_value(borrow=True) if isinstance(v, SharedVariable)
                                               else v.data), var=ph) for v, ph in zip(row_roots, row_ph)]
         self.param_data: list[Any] = [None] * len(params)
+        self.pid = os.getpid()
         self.value_only = [0]
         _log.info("data_parallel: likelihood %s split over %d ranks (%d rows; %d row arrays scattered, %d "
                   "parameters broadcast)", self.names, get_runtime().size, rows, len(row_roots),
@@ -305,6 +307,10 @@ def _op_class() -> type:
             if split is None:
                 raise RuntimeError(f"likelihood split {self.split_id} is gone: its data_parallel block has ended "
                                    "(a function compiled inside the block runs only inside it)")
+            if os.getpid() != split.pid:
+                raise RuntimeError("a function compiled inside synkhronos.pymc.data_parallel ran in another process "
+                                   "(a chain process of pm.sample?): it runs in the process that forked the ranks; "
+                                   "sample with cores=1")
             res = split(inputs, self.with_grad)
             for storage, value, var in zip(output_storage, res, node.outputs):
                 storage[0] = np.asarray(value, dtype=var.type.dtype).reshape(var.type.shape if all(
@@ -332,10 +338,29 @@ def _op_class() -> type:
 
     _OP = SplitLikelihood
     _register_rewrite(SplitLikelihood)
+    _register_numba(SplitLikelihood)
     return _OP
 
 
 _OP: type | None = None
+
+
+def _register_numba(op_class: type) -> None:
+    """PyTensor's Numba backend (PyMC's default) runs the node's ``perform`` in object mode, as it
+    does for any Op without a Numba implementation, here without its warning: the node's work is
+    a call into the ranks."""
+    import warnings
+
+    try:
+        from pytensor.link.numba.dispatch.basic import generate_fallback_impl, numba_funcify
+    except ImportError:  # pragma: no cover - PyTensor without its Numba backend
+        return
+
+    @numba_funcify.register(op_class)
+    def _funcify(op: Any, node: Any = None, storage_map: Any = None, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Numba will use object mode", category=UserWarning)
+            return generate_fallback_impl(op, node, storage_map, **kwargs)
 
 
 def _register_rewrite(op_class: type) -> None:
