@@ -85,7 +85,8 @@ def run_one(sampler: str, args: argparse.Namespace) -> dict[str, Any]:
         idata = pm.sample(**kwargs)
         wall = time.perf_counter() - start
         if sampler == "pymc":
-            row["sampler"] = f"pymc default ({min(4, os.cpu_count() or 1)} chain processes)"
+            procs = min(4, os.cpu_count() or 1, args.chains)
+            row["sampler"] = f"pymc default ({procs} chain process{'es' if procs > 1 else ''})"
     sampling = idata.sample_stats.attrs.get("sampling_time")
     ess = az.ess(idata, method="bulk")
     min_ess = float(min(float(ess[v].min()) for v in ("intercept", "beta")))
