@@ -184,7 +184,9 @@ class _Split:
         wrt = [param_ph[i] for i in self.float_params]
         grads: Any = pytensor.grad(total, wrt, disconnected_inputs="ignore", return_disconnected="zero") \
             if wrt else []
-        outs = self._without_checks(model, [total, *grads])
+        # one output for the value, one flat vector for every gradient: two sums per call
+        packed = [pt.concatenate([pt.cast(g, "float64").ravel() for g in grads])] if len(grads) else []
+        outs = self._without_checks(model, [total, *packed])
         self.dtype = outs[0].type.dtype
         self.fn = synk.function(inputs=row_ph, bcast_inputs=param_ph,
                                 outputs=[(o, "sum") for o in outs], name=f"pymc_likelihood_{'_'.join(self.names)}")
@@ -270,8 +272,18 @@ class _Split:
                 data[i] = synk.data(np.array(v, dtype=self.params[i].type.dtype))
             else:
                 d.data[...] = v
-        out = self.fn(*self.row_data, *data, output_subset=None if with_grad else self.value_only)
-        return out if isinstance(out, list) else [out]
+        if not self.float_params:  # one output: the value
+            return [self.fn(*self.row_data, *data)]
+        if not with_grad:
+            out = self.fn(*self.row_data, *data, output_subset=self.value_only)
+            return out if isinstance(out, list) else [out]
+        value, flat = self.fn(*self.row_data, *data)
+        grads, start = [], 0
+        for i in self.float_params:
+            size = int(np.size(values[i]))
+            grads.append(flat[start:start + size].reshape(np.shape(values[i])))
+            start += size
+        return [value, *grads]
 
 
 def _op_class() -> type:
