@@ -119,11 +119,12 @@ def test_logp_and_dlogp_equal_pymc_outside_the_block(ranks, name):
     assert_rel(model.compile_logp()(points[0]), want[0][0], 0)
 
 
+@pytest.mark.filterwarnings("ignore:`find_MAP` will return an `InferenceData`:FutureWarning")
 def test_find_map_reaches_pymc_point(ranks):
     model = hierarchical(101)
-    want = pm.find_MAP(model=model, progressbar=False, seed=1)
+    want = pm.find_MAP(model=model, progressbar=False, random_seed=1, jitter=False)
     with data_parallel(model):
-        got = pm.find_MAP(model=model, progressbar=False, seed=1)
+        got = pm.find_MAP(model=model, progressbar=False, random_seed=1, jitter=False)
     for k in model.initial_point():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
 
