@@ -108,7 +108,7 @@ def tests(session: nox.Session) -> None:
     # PYTHONDONTWRITEBYTECODE=1 (set on some machines) every test process and worker would otherwise
     # compile JAX's and PyTensor's sources again at import, 3x the import time.
     install_packages(session, f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]",
-                     f"{ROOT / 'packages' / 'synk-theano'}[cpu]", *TEST_DEPS, env={"UV_COMPILE_BYTECODE": "1"})
+                     f"{ROOT / 'packages' / 'synk-theano'}[cpu,pymc]", *TEST_DEPS, env={"UV_COMPILE_BYTECODE": "1"})
     env = {"PYTHONUNBUFFERED": "1"}
     newest = session.python == NEWEST_PYTHON
     if session.posargs:
