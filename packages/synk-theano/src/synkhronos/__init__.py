@@ -33,9 +33,7 @@ Example
 10.0
 """
 
-from synk_comm import GroupBrokenError, WorkerDiedError, WorkerError
 from synk_shm import Data
-from synkhronos.calls import SelectionError
 from synkhronos.chain import Chain, chain
 from synkhronos.collectives import (
                                     all_gather,
@@ -51,12 +49,14 @@ from synkhronos.collectives import (
 )
 from synkhronos.data_registry import data
 from synkhronos.distribution import distribute
+from synkhronos.errors import DivergentGradientError, GroupBrokenError, SelectionError, WorkerDiedError, WorkerError
 from synkhronos.forking import close, fork
 from synkhronos.function import Function, function
 
-__all__ = ["Chain", "Data", "Function", "GroupBrokenError", "SelectionError", "WorkerDiedError", "WorkerError",
-           "all_gather", "all_reduce", "broadcast", "chain", "close", "data", "distribute", "fork", "function",
-           "gather", "get_lengths", "get_shapes", "get_value", "reduce", "scatter", "set_value"]
+__all__ = ["Chain", "Data", "DivergentGradientError", "Function", "GroupBrokenError", "SelectionError",
+           "WorkerDiedError", "WorkerError", "all_gather", "all_reduce", "broadcast", "chain", "close", "data",
+           "distribute", "fork", "function", "gather", "get_lengths", "get_shapes", "get_value", "reduce", "scatter",
+           "set_value"]
 __version__ = "0.1.0"
 
 

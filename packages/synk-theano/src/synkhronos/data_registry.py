@@ -16,11 +16,11 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from synk_comm import Group, handler
 from synk_shm import Data, DataHandle
+from synkhronos.protocol import DATA_UPDATE as UPDATE
 from synkhronos.runtime import Runtime, current, describe, get_runtime, rank_runtime
 
 __all__ = ["data", "check_input", "data_id"]
 
-UPDATE = "synkhronos.data_update"
 
 
 def data(value: ArrayLike | None = None, var: Any = None, dtype: DTypeLike | None = None,

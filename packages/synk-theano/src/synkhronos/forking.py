@@ -189,7 +189,9 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         raise
     if segment is not None:  # a rank that failed inside a program left the others' counters ahead
         group.after_failed_command(segment.realign)
-    rt = Runtime(group, device)
+    from synkhronos.engines.ranks import RanksEngine
+
+    rt = Runtime(group, device, driver=RanksEngine())
     rt.max_dim = max_dim
     if not use_gpu and n_parallel > 1:
         # The master computes a share too: its BLAS gets its share of the cores, like each worker's
@@ -241,7 +243,9 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
         group.close()
         raise
     group.abort_grace_s = None  # set per call (synkhronos.engine.master)
-    return Runtime(group, HostDevice(use_gpu), engine=Orchestrator())
+    from synkhronos.engines.jax_engine import JaxEngine
+
+    return Runtime(group, HostDevice(use_gpu), engine=Orchestrator(), driver=JaxEngine())
 
 
 def _shared_threads(n_parallel: int, env: dict[str, Any]) -> int:
@@ -297,11 +301,9 @@ def close() -> None:
     rt = current()
     if rt is None:
         return
-    if rt.engine is not None:
-        from synkhronos.engine.master import settle
-
+    if rt.driver is not None and not rt.group.closed:
         try:
-            settle(rt)  # the shared variables' values, read before the workers stop
+            rt.driver.close(rt)  # e.g. the JAX engine reads the shared values before the workers stop
         except Exception as exc:  # the group is broken: the values last read stay
             log.warning("synkhronos: could not read the shared values before closing: %s", exc)
     set_current(None)

@@ -24,17 +24,14 @@ from synk_comm import WorkerError
 from synk_shm import Data
 from synkhronos import calls, data_registry
 from synkhronos.distribution import ensure_distributed
-from synkhronos.engine import master as engine_master
 from synkhronos.engine.phases import PHASES
-from synkhronos.reduce_ops import combine, combine_numbers
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, describe, get_runtime
 from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
 
 __all__ = ["Function", "function"]
 
-CALL = "synkhronos.call"
-_EMPTY = np.empty(0)
+
 
 
 @contextmanager
@@ -156,6 +153,11 @@ class Function:
         if PHASES is not None:
             PHASES.begin()
         rt = get_runtime()
+        return self._run_now(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
+
+    def _run_now(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any, batch: Any,
+                 batch_s: Any, num_slices: Any) -> Any:
+        """The call itself, in this thread: the plan (kept, or checked and made), then the engine."""
         key = self._plan_key(args, kwargs, output_subset, batch, batch_s, num_slices)
         known = None if key is None else self._known_plan(rt, key)
         if known is not None:
@@ -166,18 +168,7 @@ class Function:
             plan = self._prepare(rt, args, kwargs, self._subset(output_subset), batch, batch_s, num_slices)
             if key is not None:
                 known = self._remember(rt, key, plan, index_batch=type(batch) is np.ndarray)
-        if rt.engine is not None:
-            with _selection_errors():
-                return self._shape(engine_master.call(rt, self._replica, plan, None if known is None else known[4]),
-                                   plan)
-        rt.group.start_command(CALL)  # the hot path: no context managers
-        try:
-            own = calls.share(rt, plan)
-        except BaseException as exc:
-            _finish_call(rt, exc)
-            raise  # pragma: no cover - _finish_call raised
-        _finish_call(rt, None)
-        return self._gather(rt, own, plan)
+        return self._shape(rt.driver.call(rt, self._replica, plan, None if known is None else known[4]), plan)
 
     # -- known plans: a call like an earlier one skips its checks --------------------------------
     @staticmethod
@@ -241,7 +232,7 @@ class Function:
         datas = [(did, weakref.ref(rt.data[did]), rt.data[did].shape, rt.data[did].minibatch)
                  for did in plan.data_ids]
         slots = rt.group.scratch[:calls.CallPlan.length_of(rt.group.scratch, rt.size)].copy()
-        reason = (engine_master.reason_of(self._replica, plan),) if rt.engine is not None else None
+        reason = rt.driver.known_reason(self._replica, plan)
         known = (weakref.ref(rt), datas, plan, slots, reason, index_rows)
         self._plans[key] = known
         return known
@@ -289,30 +280,6 @@ class Function:
         if rt.replicas.get(self._spec.fid) is not self._replica:  # its id may name another function now
             raise RuntimeError(f"{self!r} was built for a group that is closed: build it again with "
                                "synk.function() after synk.fork()")
-
-    def _gather(self, rt: Runtime, own: list[np.ndarray] | None, plan: calls.CallPlan) -> Any:
-        """The combined outputs, from the master's share and the workers' replies (``own`` None:
-        every rank replied numbers, :func:`synkhronos.calls.reply`)."""
-        if own is None:
-            dtypes = self._replica.value_dtypes(plan.subset)
-            assert dtypes is not None
-            if not dtypes:
-                return self._shape([], plan)
-            parts = rt.group.replied_values()[:, :1 + len(dtypes)].tolist()
-            numbers = combine_numbers(self._replica.output_ops(plan.subset), parts)
-            return self._shape([np.asarray(v, dtype=d) for v, d in zip(numbers, dtypes)], plan)
-        shares = rt.group.replies(copy=False)  # views: combined into new arrays below
-        shares[rt.rank] = own
-        ordered = [shares[r] for r in range(rt.size)]
-        weights = [float(s[0]) for s in ordered]
-        results = []
-        for i, op in enumerate(self._replica.output_ops(plan.subset), 1):
-            values = [s[i] if len(s) > 1 else _EMPTY for s in ordered]
-            out = combine(op, values, weights, what=f"output {i - 1}")
-            if out is not values[rt.rank] and any(out is v for v in values):
-                out = out.copy()  # a worker's lone part, returned as it is, is a view of its buffer
-            results.append(out)
-        return self._shape(results, plan)
 
     def _shape(self, results: list[Any], plan: calls.CallPlan) -> Any:
         """What a call returns: the one output, the list, or None without outputs."""

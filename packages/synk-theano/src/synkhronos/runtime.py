@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from synk_comm import Group
 from synk_comm.cores import env_cores
@@ -21,6 +21,7 @@ from synkhronos.device import Device
 if TYPE_CHECKING:
     from pytensor.compile.sharedvalue import SharedVariable
 
+    from synkhronos.engines.base import Engine
     from synkhronos.replica import Replica
 
 __all__ = ["Runtime", "get_runtime", "current", "rank_runtime"]
@@ -37,10 +38,12 @@ class Runtime:
     (``size`` counts the compute ranks; the master's ``rank`` is -1).
     """
 
-    def __init__(self, group: Group, device: Device, engine: Any = None) -> None:
+    def __init__(self, group: Group, device: Device, engine: Any = None, driver: Engine | None = None) -> None:
         self.group = group
         self.device = device
         self.engine = engine
+        self.driver: Engine = cast("Engine", driver)
+        """The master's :class:`~synkhronos.engines.base.Engine` (None in a worker)."""
         offset = 0 if engine is None else 1
         # A group that spans hosts (synk_comm.net): this host's group ranks are the span's from span_offset.
         self.rank = group.rank + getattr(group, "span_offset", 0) - offset
