@@ -22,6 +22,7 @@ from synk_comm import cores as cores_mod
 from synkhronos import cpu
 from synkhronos.calls import CallPlan
 from synkhronos.device import CpuDevice
+from synkhronos.inflight import DEFAULT_MAX_IN_FLIGHT, Window
 from synkhronos.runtime import Runtime, current, set_current
 
 __all__ = ["fork", "close"]
@@ -56,7 +57,7 @@ def gpu_count() -> int:
 
 def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank: int = 0,
          profile_workers: bool = False, max_n_var: int = 1000, max_dim: int = 16,
-         engine: str | None = None) -> int:
+         engine: str | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> int:
     """Start the ranks: the master (this process) and ``n_parallel - 1`` workers.
 
     Parameters
@@ -93,6 +94,9 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         master glues them over shared memory (CPU mode's engine: its shared-memory collectives
         beat JAX's on the CPU; in GPU mode the switch back to the per-rank engine, see
         :data:`synkhronos.engine.ENGINES`).
+    max_in_flight : int
+        The most calls :meth:`Function.submit <synkhronos.function.Function.submit>` keeps pending
+        (default 2); ``submit`` blocks while that many are (see :mod:`synkhronos.inflight`).
 
     Returns
     -------
@@ -134,6 +138,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         raise ValueError(f"max_n_var must be >= 1, got {max_n_var}")
     if max_dim < 1:
         raise ValueError(f"max_dim must be >= 1, got {max_dim}")
+    window = Window(max_in_flight)  # checks max_in_flight before anything starts
     from synkhronos import engine as engines
 
     engine = engines.choose(engine, use_gpu)
@@ -150,6 +155,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     if engine == "jax":
         rt = _fork_engine(n_parallel, use_gpu, env, profile_workers, max_n_var)
         rt.max_dim = max_dim
+        rt.window = window
         set_current(rt)
         log.info("synkhronos: %d ranks on the JAX engine (%s) ready in %.2f s", n_parallel,
                  "GPU" if use_gpu else "CPU", time.perf_counter() - t0)
@@ -193,6 +199,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
 
     rt = Runtime(group, device, driver=RanksEngine())
     rt.max_dim = max_dim
+    rt.window = window
     if not use_gpu and n_parallel > 1:
         # The master computes a share too: its BLAS gets its share of the cores, like each worker's
         # (set at the workers' launch); close() gives the master its threads back.
@@ -301,6 +308,7 @@ def close() -> None:
     rt = current()
     if rt is None:
         return
+    rt.window.close()  # the calls in flight finish first
     if rt.driver is not None and not rt.group.closed:
         try:
             rt.driver.close(rt)  # e.g. the JAX engine reads the shared values before the workers stop

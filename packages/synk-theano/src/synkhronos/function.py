@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,7 +27,7 @@ from synkhronos import calls, data_registry
 from synkhronos.distribution import ensure_distributed
 from synkhronos.engine.phases import PHASES
 from synkhronos.replica import Replica
-from synkhronos.runtime import Runtime, describe, get_runtime
+from synkhronos.runtime import Runtime, current, describe, get_runtime
 from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
 
 __all__ = ["Function", "function"]
@@ -152,8 +153,54 @@ class Function:
         """
         if PHASES is not None:
             PHASES.begin()
-        rt = get_runtime()
+        rt = get_runtime()  # after every call submitted before this one (synkhronos.inflight)
         return self._run_now(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
+
+    def submit(self, *args: Any, output_subset: Sequence[int] | None = None, batch: Any = None,
+               batch_s: Any = None, num_slices: int = 1, **kwargs: Any) -> Future[Any]:
+        """Start the call and return at once: a :class:`concurrent.futures.Future` of its result.
+
+        Arguments as for :meth:`__call__`; ``future.result()`` returns exactly what ``f(...)``
+        returns, or raises what it raises (``f(...)`` is ``f.submit(...).result()``).  Calls run
+        in submission order, at most ``max_in_flight`` (a :func:`synkhronos.fork` option) pending:
+        ``submit`` blocks while the window is full.  Every other operation of the group (a
+        collective, ``get_value``/``set_value``, a Data's ``set_value``/resize/free,
+        ``distribute``, ``close``, a synchronous call) waits for the pending calls first.  A call
+        that fails cancels the calls submitted before its failure that had not started (their
+        futures raise :class:`concurrent.futures.CancelledError` whose ``__cause__`` is the
+        failure); the group stays usable.  See :mod:`synkhronos.inflight`.
+
+        Do not write into a Data that a pending call reads (``d[:] = ...``) before its future
+        is done: its contents are read when the call runs.
+
+        Returns
+        -------
+        concurrent.futures.Future
+
+        Examples
+        --------
+        >>> pending = [step.submit(x_data, batch=b) for b in batches]    # doctest: +SKIP
+        >>> losses = [float(p.result()) for p in pending]                 # doctest: +SKIP
+        """
+        rt = current()
+        if rt is None or rt.group.closed:
+            get_runtime()  # raises the RuntimeError that says what to do
+        assert rt is not None
+        if type(batch) is np.ndarray:
+            batch = batch.copy()  # the caller may reuse its index array for the next batch
+        args, kwargs = tuple(args), dict(kwargs)
+
+        def run() -> Any:
+            if current() is not rt:
+                get_runtime()
+                raise RuntimeError(f"{self!r} was submitted to a group that is closed")
+            if rt.group.closed:
+                get_runtime()  # the RuntimeError that says the group is closed
+            if PHASES is not None:
+                PHASES.begin()
+            return self._run_now(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
+
+        return rt.window.submit(run)
 
     def _run_now(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any, batch: Any,
                  batch_s: Any, num_slices: Any) -> Any:
