@@ -26,6 +26,7 @@ from synk_shm import Data
 from synkhronos import calls, data_registry
 from synkhronos.distribution import ensure_distributed
 from synkhronos.engine.phases import PHASES
+from synkhronos.errors import DivergentGradientError
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, current, describe, get_runtime
 from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
@@ -623,9 +624,18 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
                         update_ops=update_ops, givens=given_pairs, sliceable=sliceable, kwargs=kwargs)
     replica = Replica(spec, rt.device)
     if replica.has_collectives:
-        from synkhronos.ops import check_group
+        from synkhronos.ops import check_group, divergent_gradients
 
         check_group(replica.collectives, rt.size)
+        divergent = divergent_gradients([*outs, *(e for _, e in pairs)]) if rt.size > 1 else []
+        if divergent:
+            raise DivergentGradientError(
+                f"this graph differentiates through {', '.join(divergent)} of a value that reads shared variables, "
+                "starting from a cost that is the same on every rank: each rank would get its own gradient "
+                f"(times {rt.size}), and a replicated variable updated from it would differ between the ranks. "
+                "Differentiate each rank's own loss and all-reduce the gradient instead: "
+                "ops.all_reduce(pytensor.grad(loss_local, w), 'sum') (or 'avg' for a mean loss); see 'Gradients' in "
+                "synkhronos.ops")
     used = set(replica.full().get_shared())
     for var in sliceable:
         if var not in used:

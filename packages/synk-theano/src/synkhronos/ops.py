@@ -61,6 +61,25 @@ Gradients
 A rank without rows gets a zero gradient.  Second derivatives through these ops are not
 implemented.
 
+The rule for replicated variables (JAX's ``shard_map`` ``check_vma`` semantics, jax#3970): a
+shared variable ``w`` is the same on every rank, so its gradient must be too.
+
+* Exact (the form to use): differentiate each rank's own loss, all-reduce the gradient::
+
+      g = ops.all_reduce(pytensor.grad(loss_local, w), "avg")   # loss_local: a mean over this rank's rows
+      # every rank: the full-batch gradient (weighted by rows however unevenly the batch splits)
+
+* Refused: differentiate through ``all_reduce`` of a loss, from a cost that is the same on every
+  rank (:func:`same_on_every_rank`)::
+
+      pytensor.grad(ops.all_reduce(loss_local, "sum"), w)
+      # per the formulas above each rank would get n times its OWN gradient: the ranks diverge
+
+  :func:`synkhronos.function` raises :class:`~synkhronos.DivergentGradientError` for such a graph
+  over several ranks (in a plain PyTensor function, one rank, it is the exact gradient).  A cost
+  that differs between ranks (a statistic all-reduced inside each rank's loss, as a synchronised
+  batch norm does) differentiates through the ops as the formulas say.
+
 Execution
 ---------
 PyTensor's default backends (C, Numba, Python) run each op's ``perform``, which calls the
@@ -368,27 +387,34 @@ class AllReduce(Collective):
         return ctx.group.all_reduce(part, "sum" if self.op == "avg" else self.op)
 
     def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
-        import pytensor.tensor as pt
         from pytensor import config
 
         (x,), (y,), (g,) = inputs, outputs, output_grads
         if np.dtype(x.type.dtype).kind not in "fc":
             return [x.zeros_like(dtype=config.floatX)]
+        grad = self._pullback(x, y, g)
+        if same_on_every_rank(g) and _reads_shared(x):
+            grad.tag.synk_divergent = f"all_reduce(..., {self.op!r})"  # refused by synkhronos.function
+        return [grad]
+
+    def _pullback(self, x: Any, y: Any, g: Any) -> Any:
+        import pytensor.tensor as pt
+
         summed: Any = AllReduce("sum")(g)
         share: Any = WeightShare(g.type.dtype)()
         if self.op == "avg":
-            return [summed * share]
+            return summed * share
         active = pt.gt(share, 0)
         if self.op == "sum":
-            return [pt.switch(active, summed, pt.zeros_like(summed))]
+            return pt.switch(active, summed, pt.zeros_like(summed))
         if self.op in ("max", "min"):
-            return [pt.switch(pt.and_(active, pt.eq(x, y)), summed, pt.zeros_like(summed))]
+            return pt.switch(pt.and_(active, pt.eq(x, y)), summed, pt.zeros_like(summed))
         zero = pt.eq(x, 0)  # prod: the product of the others, exact where some values are zero
         nonzero = pt.switch(zero, pt.ones_like(x), x)
         zeros_elsewhere = pt.gt(AllReduce("sum")(pt.cast(zero, "int64")) - pt.cast(zero, "int64"), 0)
         product: Any = AllReduce("prod")(nonzero)
         others = pt.switch(zeros_elsewhere, pt.zeros_like(x), product / nonzero)
-        return [pt.switch(active, summed * others, pt.zeros_like(summed))]
+        return pt.switch(active, summed * others, pt.zeros_like(summed))
 
     def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
@@ -417,6 +443,63 @@ class AllReduce(Collective):
             return lambda x: lax.pmin(x, axis_name)
         # prod: every rank's value, multiplied in rank order (exact, as the host path does)
         return lambda x: jnp.prod(lax.all_gather(x, axis_name), axis=0).astype(x.dtype)
+
+
+def same_on_every_rank(var: Any) -> bool:
+    """Whether ``var`` holds the same value in every rank by construction (JAX's *invariant*
+    values): built only from shared variables, constants and the results of :func:`all_reduce`,
+    :func:`all_gather` and :func:`broadcast` (a ``fill``/``ones_like``'s value is its fill value).
+    The gradient that ``pytensor.grad`` starts from a cost is such a value when the cost is."""
+    from pytensor.graph.basic import Constant
+    from pytensor.scalar.basic import Second
+    from pytensor.tensor.elemwise import Elemwise
+
+    seen: set[int] = set()
+    stack = [var]
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        node = v.owner
+        if node is None:
+            if isinstance(v, Constant) or _is_shared(v):
+                continue
+            return False
+        if isinstance(node.op, (AllReduce, AllGather, Broadcast)):
+            continue
+        if isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, Second):
+            stack.append(node.inputs[1])
+            continue
+        stack.extend(node.inputs)
+    return True
+
+
+def _is_shared(v: Any) -> bool:
+    from pytensor.compile.sharedvalue import SharedVariable
+
+    return isinstance(v, SharedVariable)
+
+
+def _reads_shared(x: Any) -> bool:
+    try:
+        from pytensor.graph.traversal import graph_inputs
+    except ImportError:  # PyTensor < 3.3
+        from pytensor.graph.basic import graph_inputs
+
+    return any(_is_shared(v) for v in graph_inputs([x]))
+
+
+def divergent_gradients(variables: Iterable[Any]) -> list[str]:
+    """The in-graph collectives through which ``pytensor.grad`` went in a form that is not exact
+    over several ranks, found among the ancestors of ``variables`` (see "Gradients" above)."""
+    try:
+        from pytensor.graph.traversal import ancestors
+    except ImportError:  # PyTensor < 3.3
+        from pytensor.graph.basic import ancestors
+
+    return sorted({v.tag.synk_divergent for v in ancestors(list(variables))
+                   if getattr(v.tag, "synk_divergent", None)})
 
 
 class AllGather(Collective):
