@@ -485,7 +485,7 @@ def _reads_shared(x: Any) -> bool:
     try:
         from pytensor.graph.traversal import graph_inputs
     except ImportError:  # PyTensor < 3.3
-        from pytensor.graph.basic import graph_inputs
+        from pytensor.graph.basic import graph_inputs  # type: ignore[no-redef]
 
     return any(_is_shared(v) for v in graph_inputs([x]))
 
@@ -496,7 +496,7 @@ def divergent_gradients(variables: Iterable[Any]) -> list[str]:
     try:
         from pytensor.graph.traversal import ancestors
     except ImportError:  # PyTensor < 3.3
-        from pytensor.graph.basic import ancestors
+        from pytensor.graph.basic import ancestors  # type: ignore[no-redef]
 
     return sorted({v.tag.synk_divergent for v in ancestors(list(variables))
                    if getattr(v.tag, "synk_divergent", None)})
