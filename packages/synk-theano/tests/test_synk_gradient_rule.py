@@ -1,8 +1,10 @@
-"""The gradient rule of in-graph collectives (see "Gradients" in :mod:`synkhronos.ops`): the
-established form -- each rank differentiates its own loss, the gradient is all-reduced -- gives
-every rank the full-batch gradient (numpy's), on even and uneven shares; the form that
-differentiates through ``all_reduce`` of a loss from a cost equal on every rank is refused at
-build time (``DivergentGradientError``), and stays the identity in a plain PyTensor function."""
+"""The gradient rule of in-graph collectives (see "Gradients" in :mod:`synkhronos.ops`), against
+numpy on even and uneven shares: both forms -- each rank differentiates its own loss and the
+gradient is all-reduced; or ``pytensor.grad`` of the all-reduced loss (JAX's check_vma rule) --
+give every rank the full-batch gradient, and training with them keeps the ranks equal; a gradient
+through ``all_reduce`` of a non-scalar that reads shared variables, from a cost equal on every
+rank, is refused at build time (``DivergentGradientError``); in a plain PyTensor function the ops
+stay the identity."""
 
 from __future__ import annotations
 
@@ -42,12 +44,31 @@ def test_allreduced_local_gradients_are_the_full_batch_gradient(ranks, rows):
     assert np.array_equal(got_sum, low)  # the same on every rank (max == min over the ranks)
 
 
-def test_gradient_through_allreduce_of_a_loss_is_refused(ranks):
+@pytest.mark.parametrize("rows", [24, 25], ids=["even", "uneven"])
+def test_gradient_of_the_allreduced_loss_is_the_full_batch_gradient(ranks, rows):
+    xs, ys, w0, x, y, w = _problem(rows)
+    total = ops.all_reduce(pt.sum((x.dot(w) - y) ** 2), "sum")
+    mean = ops.all_reduce(pt.mean((x.dot(w) - y) ** 2), "avg")
+    g_sum, g_avg = pytensor.grad(total, w), pytensor.grad(mean, w)
+    f = synk.function([x, y], outputs=[(g_sum, "max"), (g_sum, "min"), (g_avg, "max"), (mean, "max")],
+                      updates=[(w, w - 0.01 * g_avg)])
+    got_sum, low, got_avg, got_mean = f(synk.data(xs.astype(FLOAT)), synk.data(ys.astype(FLOAT)))
+    full = 2 * xs.T @ (xs @ w0 - ys)
+    np.testing.assert_allclose(got_sum, full, rtol=TOL)
+    assert np.array_equal(got_sum, low)  # the same on every rank
+    np.testing.assert_allclose(got_avg, full / rows, rtol=TOL)
+    np.testing.assert_allclose(got_mean, np.mean((xs @ w0 - ys) ** 2), rtol=TOL)
+    after = [synk.get_value(r, w) for r in range(ranks)]
+    assert all(np.array_equal(a, after[0]) for a in after)
+    np.testing.assert_allclose(after[0], w0 - 0.01 * full / rows, rtol=TOL)
+
+
+def test_gradient_through_allreduce_of_a_vector_reading_shared_is_refused(ranks):
     _, _, _, x, y, w = _problem(6)
-    loss = ops.all_reduce(pt.sum((x.dot(w) - y) ** 2), "sum")
-    g = pytensor.grad(loss, w)
+    moments = ops.all_reduce(x.T.dot(x.dot(w) - y), "sum")  # a vector: no exact form
+    g = pytensor.grad(pt.sum(moments ** 2), w)
     with pytest.raises(synk.DivergentGradientError, match=r"ops.all_reduce\(pytensor.grad\(loss_local, w\)"):
-        synk.function([x, y], outputs=loss, updates=[(w, w - 0.1 * g)])
+        synk.function([x, y], outputs=pt.sum(moments), updates=[(w, w - 0.1 * g)])
     with pytest.raises(synk.DivergentGradientError):
         synk.function([x, y], outputs=(g, "avg"))
     # a cost that differs between ranks (sync-batch-norm style) differentiates through all_reduce exactly

@@ -634,8 +634,9 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
                 "starting from a cost that is the same on every rank: each rank would get its own gradient "
                 f"(times {rt.size}), and a replicated variable updated from it would differ between the ranks. "
                 "Differentiate each rank's own loss and all-reduce the gradient instead: "
-                "ops.all_reduce(pytensor.grad(loss_local, w), 'sum') (or 'avg' for a mean loss); see 'Gradients' in "
-                "synkhronos.ops")
+                "ops.all_reduce(pytensor.grad(loss_local, w), 'sum') (or 'avg' for a mean loss), or differentiate "
+                "the all-reduce of a scalar loss: pytensor.grad(ops.all_reduce(loss_local, 'avg'), w); see "
+                "'Gradients' in synkhronos.ops")
     used = set(replica.full().get_shared())
     for var in sliceable:
         if var not in used:

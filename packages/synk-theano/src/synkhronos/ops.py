@@ -69,11 +69,21 @@ shared variable ``w`` is the same on every rank, so its gradient must be too.
       g = ops.all_reduce(pytensor.grad(loss_local, w), "avg")   # loss_local: a mean over this rank's rows
       # every rank: the full-batch gradient (weighted by rows however unevenly the batch splits)
 
-* Refused: differentiate through ``all_reduce`` of a loss, from a cost that is the same on every
-  rank (:func:`same_on_every_rank`)::
+* Exact too: differentiate the all-reduced loss (a 0-d value that reads shared variables)::
 
-      pytensor.grad(ops.all_reduce(loss_local, "sum"), w)
-      # per the formulas above each rank would get n times its OWN gradient: the ranks diverge
+      g = pytensor.grad(ops.all_reduce(loss_local, "avg"), w)
+      # every rank: the same full-batch gradient
+
+  :func:`all_reduce` of such a scalar sees each floating shared variable through :class:`Pvary`
+  (JAX's ``pvary``: the identity, whose gradient is the all-reduce (sum) of the ranks' parts), and
+  from a cost that is the same on every rank (:func:`same_on_every_rank`) the all-reduce passes
+  the gradient on without summing it (the transpose of ``psum`` under ``check_vma``): each rank's
+  part of ``dL/dw`` is summed once, at ``w``.  ``Pvary`` leaves the graph when a function compiles.
+
+* Refused: the same through ``all_reduce`` of a non-scalar that reads shared variables::
+
+      pytensor.grad(pt.sum(ops.all_reduce(x.T.dot(err), "sum") ** 2), w)
+      # per the formulas above each rank would get n times its OWN part: the ranks would diverge
 
   :func:`synkhronos.function` raises :class:`~synkhronos.DivergentGradientError` for such a graph
   over several ranks (in a plain PyTensor function, one rank, it is the exact gradient).  A cost
@@ -179,8 +189,91 @@ def all_reduce(x: Any, op: str = "sum") -> Variable:
     The full-batch gradient from every rank's share, exactly, however the batch splits:
 
     >>> grads = [ops.all_reduce(g, "avg") for g in pytensor.grad(mean_loss, params)]  # doctest: +SKIP
+
+    Or differentiate the all-reduced loss (a 0-d ``x``): every rank gets the full-batch gradient
+    of each shared variable (see "Gradients" in :mod:`synkhronos.ops`):
+
+    >>> grads = pytensor.grad(ops.all_reduce(mean_loss, "avg"), params)            # doctest: +SKIP
     """
-    return cast(Variable, AllReduce(op)(x))
+    return cast(Variable, AllReduce(op)(_vary_replicated(x)))
+
+
+def _vary_replicated(x: Any) -> Any:
+    """A 0-d floating ``x`` (a loss) that reads shared variables and rows: ``x`` with each floating
+    shared variable ``w`` seen through :class:`Pvary` (so that ``pytensor.grad`` through the
+    all-reduce gives ``w`` the sum of every rank's part); else ``x``."""
+    import pytensor.tensor as pt
+    from pytensor.graph.basic import Constant
+    from pytensor.graph.replace import clone_replace
+
+    x = pt.as_tensor_variable(x)
+    if x.type.ndim != 0 or np.dtype(x.type.dtype).kind != "f":
+        return x
+    roots = _graph_inputs(x)
+    shared = [v for v in roots if _is_shared(v) and np.dtype(getattr(v.type, "dtype", "O")).kind in "fc"
+              and getattr(v.type, "ndim", None) is not None]
+    varying = [v for v in roots if not _is_shared(v) and not isinstance(v, Constant)]
+    if not shared or not varying:
+        return x
+    return clone_replace(x, {w: Pvary()(w) for w in shared})
+
+
+class Pvary(Op):
+    """A replicated value (a shared variable) entering a rank's own computation, as JAX's ``pvary``:
+    the identity, whose gradient is the all-reduce (sum) of the ranks' gradients.  :func:`all_reduce`
+    of a loss puts it in; it leaves the graph when a function compiles (``pytensor.grad`` has seen it
+    then), so the loss and its all-reduced form share one computation."""
+
+    __props__ = ()
+    view_map = {0: [0]}
+
+    def make_node(self, x: Any) -> Apply:  # type: ignore[override]
+        import pytensor.tensor as pt
+
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node: Apply, inputs: Sequence[Any], output_storage: list[list[Any]]) -> None:
+        output_storage[0][0] = inputs[0]
+
+    def infer_shape(self, *args: Any) -> list[Any]:
+        return [args[-1][0]]
+
+    def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
+        return [AllReduce("sum")(output_grads[0])]
+
+
+def _has_pvary(x: Any) -> bool:
+    try:
+        from pytensor.graph.traversal import applys_between
+    except ImportError:  # PyTensor < 3.3
+        from pytensor.graph.basic import applys_between  # type: ignore[no-redef]
+
+    return any(isinstance(node.op, Pvary) for node in applys_between(_graph_inputs(x), [x]))
+
+
+def _graph_inputs(x: Any) -> list[Any]:
+    try:
+        from pytensor.graph.traversal import graph_inputs
+    except ImportError:  # PyTensor < 3.3
+        from pytensor.graph.basic import graph_inputs  # type: ignore[no-redef]
+
+    return list(graph_inputs([x]))
+
+
+def _register_pvary_removal() -> None:
+    """:class:`Pvary` is the identity once the gradients are built: every compiled function drops it."""
+    from pytensor.graph.rewriting.basic import node_rewriter
+    from pytensor.tensor.rewriting.basic import register_canonicalize
+
+    @node_rewriter([Pvary])
+    def remove_pvary(fgraph: Any, node: Apply) -> list[Any]:
+        return [node.inputs[0]]
+
+    register_canonicalize(remove_pvary, name="synk_remove_pvary")
+
+
+_register_pvary_removal()
 
 
 def all_gather(x: Any, axis: int = 0) -> Variable:
@@ -392,15 +485,20 @@ class AllReduce(Collective):
         (x,), (y,), (g,) = inputs, outputs, output_grads
         if np.dtype(x.type.dtype).kind not in "fc":
             return [x.zeros_like(dtype=config.floatX)]
-        grad = self._pullback(x, y, g)
-        if same_on_every_rank(g) and _reads_shared(x):
-            grad.tag.synk_divergent = f"all_reduce(..., {self.op!r})"  # refused by synkhronos.function
-        return [grad]
+        if same_on_every_rank(g):
+            if _has_pvary(x):  # the gradient of the ranks' one cost: each rank's part; Pvary sums them
+                return [self._pullback(x, y, g, g)]
+            if _reads_shared(x):
+                grad = self._pullback(x, y, g)
+                grad.tag.synk_divergent = f"all_reduce(..., {self.op!r})"  # refused by synkhronos.function
+                return [grad]
+        return [self._pullback(x, y, g)]
 
-    def _pullback(self, x: Any, y: Any, g: Any) -> Any:
+    def _pullback(self, x: Any, y: Any, g: Any, summed: Any = None) -> Any:
         import pytensor.tensor as pt
 
-        summed: Any = AllReduce("sum")(g)
+        if summed is None:
+            summed = AllReduce("sum")(g)
         share: Any = WeightShare(g.type.dtype)()
         if self.op == "avg":
             return summed * share
@@ -482,12 +580,7 @@ def _is_shared(v: Any) -> bool:
 
 
 def _reads_shared(x: Any) -> bool:
-    try:
-        from pytensor.graph.traversal import graph_inputs
-    except ImportError:  # PyTensor < 3.3
-        from pytensor.graph.basic import graph_inputs  # type: ignore[no-redef]
-
-    return any(_is_shared(v) for v in graph_inputs([x]))
+    return any(_is_shared(v) for v in _graph_inputs(x))
 
 
 def divergent_gradients(variables: Iterable[Any]) -> list[str]:
@@ -945,6 +1038,7 @@ def _register_jax() -> None:
     from pytensor.link.jax.dispatch import jax_funcify
 
     jax_funcify.register(Collective)(_jax_function)
+    jax_funcify.register(Pvary)(lambda op, **kwargs: lambda x: x)
 
 
 def _register_numba() -> None:
