@@ -42,3 +42,10 @@ class DivergentGradientError(ValueError):
     """Raised by :func:`synkhronos.function` for a graph whose gradient goes through an in-graph
     collective in a form that is not exact over several ranks (see "Gradients" in
     :mod:`synkhronos.ops`): the ranks would hold different values of a replicated variable."""
+
+
+class ShapesDiffer(ValueError):
+    """Internal to the JAX engine: raised when tracing an uneven call's program, where an output
+    (or updated value) has other shapes in the branches than its op can combine (a ``sum`` of rows
+    that follow the row count, say).  Every rank finds it alike; the call then runs per rank, where
+    the master's combine raises the user's ValueError (:func:`synkhronos.reduce_ops.common_shape`)."""
