@@ -19,10 +19,10 @@ traceback), :class:`WorkerDiedError` (a worker process ended) or :class:`GroupBr
 
 from __future__ import annotations
 
-from synk_comm import GroupBrokenError, WorkerDiedError, WorkerError
+from synk_comm import GroupBrokenError, WorkerDiedError, WorkerError  # noqa: F401 - the ranks' errors, here too
 
-__all__ = ["DivergentGradientError", "GroupBrokenError", "NotOneProgramError", "SelectionError", "WorkerDiedError",
-           "WorkerError"]
+__all__ = ["DivergentGradientError", "NotOneProgramError", "SelectionError", "ShapesDiffer"]
+"""This module's own exceptions (the ranks' errors, :mod:`synk_comm`'s, are imported here too)."""
 
 
 class SelectionError(IndexError, ValueError):
