@@ -8,7 +8,9 @@ Lifecycle
     :func:`fork`, :func:`close`, :func:`distribute`
 Functions
     :func:`function` -> :class:`~synkhronos.function.Function` (call with Data; ``batch``,
-    ``batch_s``, ``num_slices``, ``output_subset``; ``as_theano``, ``build_inputs``);
+    ``batch_s``, ``num_slices``, ``output_subset``; ``as_theano``, ``build_inputs``;
+    ``f.submit(...)``: the call in flight, a :class:`concurrent.futures.Future`, see
+    :mod:`synkhronos.inflight`);
     :func:`chain` -> :class:`Chain` (a call, an all-reduce and a second call as one command)
 Data
     :func:`data` -> :class:`Data` (OS shared memory, seen in place by every rank)
