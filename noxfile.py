@@ -1,8 +1,9 @@
 """Every routine task of the Synkhronos monorepo is a nox session.
 
-    nox -s tests        every package's tests, CPU mode, on Python 3.11 and 3.12; on 3.12 also the
-                        synkhronos suite in GPU mode (the JAX engine) on JAX's CPU devices
-                        (SYNK_EMULATE_GPUS)
+    nox -s tests        every package's tests on Python 3.12, CPU mode, then the synkhronos and
+                        reliability suites in GPU mode (the JAX engine) on JAX's CPU devices
+                        (SYNK_EMULATE_GPUS); on Python 3.11 the suites that depend on PyTensor's
+                        version (synk-theano, synk-lasagne)
     nox -s lint         ruff
     nox -s typecheck    mypy on the packages
     nox -s demo         the main job (see README)
@@ -15,8 +16,9 @@ Each session builds its own environment and installs the packages from their own
 (``packages/*/pyproject.toml``), never from what happens to be installed on the machine.
 
 Interpreters: ``tests`` runs on Python 3.11 and 3.12, each one that this machine has (a missing
-one is reported and skipped, except under ``CI``, where nox makes it an error); the other
-sessions run on one of them (3.11 if it runs here, else 3.12).  pyenv's 3.11/3.12 count even
+one is reported and skipped, except under ``CI``, where nox makes it an error): the whole suite on
+the newest, the PyTensor-dependent suites on the other; the other sessions run on one of them
+(3.11 if it runs here, else 3.12).  pyenv's 3.11/3.12 count even
 without an active shim: the noxfile puts their ``bin`` folders on ``PATH``.
 """
 
@@ -66,6 +68,15 @@ def _add_pyenv_interpreters() -> None:
 _add_pyenv_interpreters()
 ONE_PYTHON = next((v for v in PYTHONS if _runs(v)), PYTHONS[0])
 """The interpreter of the sessions that run once (lint, typecheck, demo, docs, bench, reliability)."""
+NEWEST_PYTHON = next((v for v in reversed(PYTHONS) if _runs(v)), PYTHONS[-1])
+"""The interpreter of the whole test suite (the newest PyTensor); the others run :data:`PYTENSOR_SUITES`."""
+PYTENSOR_SUITES = [ROOT / "packages" / "synk-theano" / "tests", ROOT / "packages" / "synk-lasagne" / "tests"]
+"""The suites whose code depends on PyTensor's version (graphs, rewrites, the JAX translation, the
+layers), run on every interpreter; synk_shm and synk_comm know nothing of PyTensor, and the process
+suites (reliability, multi-host, docs examples) test processes, not graphs."""
+PROCESS_MODULES = ["test_synk_lifecycle.py", "test_synk_errors.py", "test_synk_data.py", "test_synk_inflight.py"]
+"""Modules of :data:`PYTENSOR_SUITES` that test the group's processes, data and failures rather than
+graphs: the newest interpreter's pass alone runs them."""
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
@@ -78,36 +89,46 @@ included, which uv does not read)."""
 os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")  # uv takes this machine's interpreters, never downloads one
 
 
-def install_packages(session: nox.Session, *extra: str) -> None:
+def install_packages(session: nox.Session, *extra: str, env: dict[str, str] | None = None) -> None:
     """Install every package of the monorepo and ``extra`` requirements in one install call (local
-    dependencies resolve, and each package builds once)."""
-    session.install(*[str(p) for p in PACKAGES], *extra)
+    dependencies resolve, and each package builds once); ``env`` adds to the installer's environment."""
+    session.install(*[str(p) for p in PACKAGES], *extra, env=env)
 
 
 @nox.session(python=PYTHONS, venv_backend=CI_BACKEND)
 def tests(session: nox.Session) -> None:
-    """Every package's tests (CPU mode; GPU tests skip without 2 GPUs), the whole-job tests (marker
-    ``job``) on :data:`ONE_PYTHON` only; on 3.12, the synkhronos suite again in GPU mode (the JAX
-    engine) on JAX's CPU devices."""
+    """Every package's tests on the newest interpreter (:data:`NEWEST_PYTHON`): CPU mode, GPU tests
+    skip without 2 GPUs, the whole-job tests (marker ``job``) too, then the synkhronos and
+    reliability suites again in GPU mode (the JAX engine) on JAX's CPU devices.  On the older
+    interpreter, the parts that differ by PyTensor version (:data:`PYTENSOR_SUITES`, without the
+    jobs, groups of 2 ranks only).  Arguments after ``--`` go to pytest, on every interpreter."""
     # the digits data (MNIST job test); JAX, CPU mode's default backend and GPU mode's engine
     # (synk-theano[cpu])
+    # Byte-compiled at install, as pip does and uv does not by default: under
+    # PYTHONDONTWRITEBYTECODE=1 (set on some machines) every test process and worker would otherwise
+    # compile JAX's and PyTensor's sources again at import, 3x the import time.
     install_packages(session, f"{ROOT / 'packages' / 'synk-lasagne'}[mnist]",
-                     f"{ROOT / 'packages' / 'synk-theano'}[cpu]", *TEST_DEPS)
-    paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
-    if (ROOT / "tests").exists():
-        paths.append(str(ROOT / "tests"))
-    # The whole examples, demos and docs examples (marker ``job``, a third of a pass) run on one
-    # interpreter, the one of the README's demo; the other passes run every other test.
-    jobs = [] if session.python == ONE_PYTHON or session.posargs else ["-m", "not job"]
+                     f"{ROOT / 'packages' / 'synk-theano'}[cpu]", *TEST_DEPS, env={"UV_COMPILE_BYTECODE": "1"})
+    env = {"PYTHONUNBUFFERED": "1"}
+    newest = session.python == NEWEST_PYTHON
+    if session.posargs:
+        paths, select = [], []
+    elif newest:
+        paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
+        paths += [str(ROOT / "tests")] if (ROOT / "tests").exists() else []
+        select = []
+    else:
+        paths = [str(p) for p in PYTENSOR_SUITES]
+        select = ["-m", "not job", *(f"--ignore={PYTENSOR_SUITES[0] / name}" for name in PROCESS_MODULES)]
+        env["SYNK_TEST_RANKS"] = "2"
     # the slowest tests in every CI log, to see where CI's time goes
-    session.run("pytest", "--durations=20", *jobs, *paths, *session.posargs, env={"PYTHONUNBUFFERED": "1"})
-    if session.python == "3.12" and not session.posargs:
+    session.run("pytest", "--durations=25", *select, *paths, *session.posargs, env=env)
+    if newest and not session.posargs:
         # GPU mode's code paths on JAX's CPU devices: the whole suite on the JAX engine (GPU mode's
         # engine), its workers joined by JAX's multi-process runtime, collectives over gloo -- what
         # CI can check of GPU mode; test_synk_engine.py also runs the engine in 2 and 3 workers; the
-        # reliability suites' bad inputs and faults on the engine (about 80 s).
-        # (JAX came with synk-theano[cpu].)
-        session.run("pytest", "--durations=20", str(ROOT / "packages" / "synk-theano" / "tests"),
+        # reliability suites' bad inputs and faults on the engine.
+        session.run("pytest", "--durations=15", str(ROOT / "packages" / "synk-theano" / "tests"),
                     str(ROOT / "tests" / "reliability"),
                     env={"PYTHONUNBUFFERED": "1", "SYNK_EMULATE_GPUS": "2", "SYNK_TEST_GPU": "1",
                          "PYTENSOR_FLAGS": "floatX=float64"})
@@ -160,13 +181,13 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=ONE_PYTHON)
 def reliability(session: nox.Session) -> None:
     """Bad-input and fault-injection suites (tests/reliability, with their summary table), then the
-    100,000-call soak (benchmarks/soak.py: memory, file descriptors and /dev/shm stay flat), in CPU
+    100,000-call soak (tests/reliability/soak.py: memory, file descriptors and /dev/shm stay flat), in CPU
     mode; then both again in GPU mode (``SYNK_TEST_GPU=1``, the JAX engine): on the GPUs when 2 or
     more are visible, else on JAX's CPU devices (``SYNK_EMULATE_GPUS=2``), the soak there 20,000
     calls (about 2 ms a step emulated: 100,000 would take 4 minutes).  Each suite prints its table."""
     theano = ROOT / "packages" / "synk-theano"
     install_packages(session, f"{theano}[cpu]", *TEST_DEPS)  # JAX: CPU mode's default backend, as in ``tests``
-    suite, soak = str(ROOT / "tests" / "reliability"), str(ROOT / "benchmarks" / "soak.py")
+    suite, soak = str(ROOT / "tests" / "reliability"), str(ROOT / "tests" / "reliability" / "soak.py")
     env = {"PYTHONUNBUFFERED": "1"}
     session.log("reliability: CPU mode")
     session.run("pytest", suite, *session.posargs, env=env)

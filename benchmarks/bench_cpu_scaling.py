@@ -1,6 +1,6 @@
 """CPU mode against what a CPU user would run instead, over rank counts, side by side in one run.
 
-Two tables (markdown), each configuration in a fresh interpreter (its own thread settings):
+Three tables (markdown), each configuration in a fresh interpreter (its own thread settings):
 
 1. The tiny call: a Synkhronos function with one scalar out (``sum`` of a 4n x 2 input), median
    microseconds per call at 2/4/8/16 ranks (capped at the cores available unless
@@ -12,13 +12,18 @@ Two tables (markdown), each configuration in a fresh interpreter (its own thread
    process in JAX mode and in PyTensor's default mode (default threads, every core), and, when
    torch is importable, torch DDP (gloo, one thread pool of cores/n threads per process) at the
    same counts and one torch process.  Goal: Synkhronos at its best count beats DDP at its best.
+3. A compute-bound call, ``mean(tanh(x @ W))`` over 8192 x 1024 float32 rows with a 1024 x 1024
+   ``W``, in ms: Synkhronos CPU mode at 2 ranks against one plain PyTensor process of the same
+   backend (JAX mode when JAX is installed, else the default mode) with one thread and with its
+   default threads.  Goal: 2 ranks on 2 cores at least 1.7x one process of one thread.
 
 Usage (repository root, the packages importable)::
 
-    python benchmarks/bench_cpu_scaling.py                 # both tables
+    python benchmarks/bench_cpu_scaling.py                 # every table
     python benchmarks/bench_cpu_scaling.py --only tiny     # the tiny-call table alone
     python benchmarks/bench_cpu_scaling.py --tiny-ranks 2,4,8,16 --only tiny   # oversubscribed too
     taskset -c 0,1 python benchmarks/bench_cpu_scaling.py --only mlp --rounds 5   # 2 cores, 5 turns
+    taskset -c 0,1 python benchmarks/bench_cpu_scaling.py --only compute           # the 2-core target
 
 With ``--rounds R`` every MLP configuration runs R times, the configurations taking turns (round
 1 of each, then round 2 of each, ...), so that a machine's drift hits them alike; a cell is the
@@ -136,6 +141,44 @@ def tiny_call(n: int) -> dict[str, float]:
     return {key: statistics.median(values) * 1e6 for key, values in times.items()}
 
 
+def compute_call(kind: str, one_core: bool = False) -> float:
+    """Seconds per call (median of 10) of the compute-bound function: ``kind`` ``synk`` (2 ranks) or
+    ``plain`` (one process; ``one_core``: pinned to one core, so that XLA's thread pool, sized by the
+    affinity mask when JAX starts, has one thread)."""
+    if one_core:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    import pytensor
+    import pytensor.tensor as pt
+
+    rng = np.random.default_rng(0)
+    x = pt.matrix("x", dtype="float32")
+    w = pytensor.shared((rng.standard_normal((1024, 1024)) / 32).astype("float32"), name="w")
+    y = pt.mean(pt.tanh(x @ w))
+    xd = rng.standard_normal((8192, 1024)).astype("float32")
+    if kind == "synk":
+        import synkhronos as synk
+
+        synk.fork(2, use_gpu=False)
+        f = synk.function([x], outputs=y)
+        arg = synk.data(xd)
+        call: Any = lambda: f(arg)  # noqa: E731
+    else:
+        from synkhronos.cpu import choose_backend
+
+        g = pytensor.function([x], y, mode="JAX" if choose_backend() == "jax" else None)
+        call = lambda: g(xd)  # noqa: E731
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    if kind == "synk":
+        synk.close()
+    return statistics.median(times)
+
+
 def _ddp_worker(rank: int, n: int, port: int, queue: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -213,6 +256,8 @@ def run_one(kind: str, n: int, timeout: float = 300.0) -> dict[str, Any]:
     if kind == "ddp" and n > 1:  # torch reads these at import: each process a thread pool of cores/n
         for var in THREAD_VARS:
             env[var] = str(max(1, len(os.sched_getaffinity(0)) // n))
+    if kind == "compute_plain" and n == 1:  # one thread: the BLAS and OpenMP pools (XLA's: compute_call)
+        env.update({var: "1" for var in THREAD_VARS})
     t0 = time.perf_counter()
     try:
         out = subprocess.run([sys.executable, __file__, "--one", kind, str(n)], env=env, capture_output=True,
@@ -234,6 +279,10 @@ def _one(kind: str, n: int) -> Any:
         return ddp_step(n)
     if kind in ("JAX", "default"):
         return plain_step("JAX" if kind == "JAX" else "FAST_RUN")
+    if kind == "compute_synk":
+        return compute_call("synk")
+    if kind == "compute_plain":
+        return compute_call("plain", one_core=n == 1)
     raise ValueError(f"unknown configuration {kind!r}")
 
 
@@ -247,7 +296,7 @@ def _cell(r: dict[str, Any], key: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["tiny", "mlp"], default=None)
+    parser.add_argument("--only", choices=["tiny", "mlp", "compute"], default=None)
     parser.add_argument("--tiny-ranks", default=None, help="comma-separated rank counts of the tiny-call table")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the MLP configurations this many times, taking turns; cells are medians")
@@ -314,6 +363,24 @@ def main() -> None:
             for name in names:
                 for n, ms_list in runs.get(name, {}).items():
                     print(f"  {name}, {n}: " + ", ".join(f"{v:.1f}" for v in ms_list))
+    if args.only in (None, "compute") and cores >= 2:
+        # n is 1 for one thread, 0 for the default threads (run_one's switch), 2 for the ranks
+        rows = [("synkhronos CPU mode, 2 ranks", "compute_synk", 2),
+                ("plain PyTensor, 1 process, 1 thread", "compute_plain", 1),
+                ("plain PyTensor, 1 process, default threads", "compute_plain", 0)]
+        got = {name: run_one(kind, n) for name, kind, n in rows}
+        for r in got.values():
+            print(json.dumps(r), file=sys.stderr, flush=True)
+        print("\n| compute-bound call, mean(tanh(x @ W)) over 8192 x 1024, ms | ms | 2 ranks faster by |")
+        print("|---|---:|---:|")
+        ours = got[rows[0][0]]
+        for name, _, _ in rows:
+            r = got[name]
+            ratio = ("" if "result" not in r or "result" not in ours or r is ours
+                     else f"{r['result'] / ours['result']:.2f}x")
+            cell = "error" if "error" in r else f"{r['result'] * 1e3:.1f}"
+            print(f"| {name} | {cell} | {ratio} |")
+        print("\n(goal: 2 ranks on 2 cores at least 1.7x one process of one thread)")
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
 
 

@@ -4,7 +4,9 @@
    all-reduces of 256 MB JAX buffers, in a group of the same size started in the same run.
 2. Data-parallel training step of the DDP anchor MLP (1024 -> 4 x 4096 tanh -> 10, softmax
    cross-entropy, SGD, float32; XLA's default matmul precision, i.e. TF32 on Hopper, then again
-   with strict float32 matmuls, the DESIGN anchor's two rows) for several global batches on 1
+   with strict float32 matmuls, the DESIGN anchor's two rows; with ``bf16`` in ``SYNK_BENCH_PARTS``,
+   a third table in mixed precision: ours ``precision="bf16"``, DDP under ``torch.autocast``
+   bfloat16, plain PyTensor JAX in ``precision.jax_mode("JAX", "bf16")``) for several global batches on 1
    GPU and on every GPU, beside PyTorch DDP (TF32) on the same shapes and the
    plain PyTensor JAX step on one GPU: step time, scaling, peak GPU memory.  Synkhronos:
    ``synk_lasagne.make_train_function`` with data scattered once into GPU memory (sliceable
@@ -13,7 +15,10 @@
 3. Tiny-call overhead: a synk function on a 4x2 input against the plain PyTensor JAX function.
 4. Throughput against batch size, 1 and n GPUs, ours and DDP's (PNG, when matplotlib exists).
 
-Prints markdown tables and writes ``$OUT/bench_gpu.json`` (and the PNG).
+Prints markdown tables and writes ``$OUT/bench_gpu.json`` (and the PNG).  ``SYNK_BENCH_PARTS``
+(comma-separated, default ``allreduce,tiny,tf32,fp32``) chooses the parts: ``allreduce`` (1),
+``tiny`` (3), ``tf32``/``fp32``/``bf16`` the training tables (2; the plot follows ``tf32``), e.g.
+``SYNK_BENCH_PARTS=bf16,tf32``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ OUT = os.environ.get("OUT", "/tmp")
 PRECISION_ENV = "JAX_DEFAULT_MATMUL_PRECISION"
 """Set to "highest" (strict float32 matmuls: JAX reads it at import; the DDP rows follow it) for
 the strict float32 table; unset, matmuls run in TF32 on Hopper (JAX's and our DDP rows' default)."""
+POLICY_ENV = "SYNK_BENCH_POLICY"
+"""The precision policy of the training rows (:mod:`synkhronos.precision`; set by :func:`main` for the
+bf16 table, read by the rows' processes): ``bf16`` also puts DDP's forward pass under autocast."""
 IN_FLIGHT = int(os.environ.get("SYNK_BENCH_IN_FLIGHT", "0"))
 """> 0: the synk training rows submit each step (``Function.submit``) with this many calls in flight,
 reading every step's loss as it completes; 0 (default): synchronous calls."""
@@ -41,6 +49,11 @@ USE_GPU = os.environ.get("SYNK_BENCH_CPU") != "1"  # SYNK_BENCH_CPU=1: a dry run
 D, H, L, C = 1024, 4096, 4, 10
 WIDTHS = [D] + [H] * L + [C]
 """The DDP anchor's MLP (:func:`models.mlp`)."""
+
+
+def policy() -> str:
+    """This process's precision policy (:data:`POLICY_ENV`)."""
+    return os.environ.get(POLICY_ENV, "default")
 
 
 def gpu_count() -> int:
@@ -127,7 +140,8 @@ def synk_training(n: int, scattered: int) -> tuple[Any, list[Any]]:
     xs = pytensor.shared(np.zeros((0, D), dtype="float32"), name="xs")
     ys = pytensor.shared(np.zeros(0, dtype="int32"), name="ys")
     loss, params = mlp(xs, ys, rng, WIDTHS)
-    train = make_train_function(loss, params, [], updates.sgd, sliceable_shareds=[xs, ys], learning_rate=1e-3)
+    train = make_train_function(loss, params, [], updates.sgd, sliceable_shareds=[xs, ys], learning_rate=1e-3,
+                                precision=policy())
     synk.scatter([xs, ys], [synk.data(rng.standard_normal((scattered, D)).astype("float32")),
                             synk.data(rng.integers(0, C, scattered).astype("int32"))])
     return train, params
@@ -230,8 +244,10 @@ def plain_worker(batches: list[int], steps: int = 20) -> dict[int, float]:
     x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
     loss, params = mlp(x, y, rng, WIDTHS)
     grads = pytensor.grad(loss, params)
+    from synkhronos import precision
+
     f = pytensor.function([x, y], loss, updates=[(p, p - np.float32(1e-3) * g) for p, g in zip(params, grads)],
-                          mode="JAX")
+                          mode=precision.jax_mode("JAX", policy()))
     f.trust_input = True
     dev = jax.devices()[0]
     for p in params:
@@ -276,7 +292,8 @@ def ddp_worker(rank: int, n: int, batches: list[int], path: str, q, steps: int =
 
         def step(x: Any = x, y: Any = y) -> Any:
             opt.zero_grad(set_to_none=True)
-            loss = lossf(model(x), y)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=policy() == "bf16"):
+                loss = lossf(model(x), y)
             loss.backward()
             opt.step()
             return loss
@@ -334,20 +351,21 @@ def gpu_name() -> str:
 
 
 @contextlib.contextmanager
-def matmul_precision(precision: str | None):
-    """Processes started in the body run matmuls at ``precision`` ("highest": strict float32)."""
-    saved = os.environ.get(PRECISION_ENV)
+def matmul_precision(precision: str | None, name: str = PRECISION_ENV):
+    """Processes started in the body run matmuls at ``precision`` ("highest": strict float32), or with
+    ``name=POLICY_ENV`` under that precision policy."""
+    saved = os.environ.get(name)
     if precision is None:
-        os.environ.pop(PRECISION_ENV, None)
+        os.environ.pop(name, None)
     else:
-        os.environ[PRECISION_ENV] = precision
+        os.environ[name] = precision
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(PRECISION_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[PRECISION_ENV] = saved
+            os.environ[name] = saved
 
 
 def training_runs(batches: list[int], counts: list[int], devices: list[str]) -> dict[str, dict[int, float]]:
@@ -364,7 +382,8 @@ def training_runs(batches: list[int], counts: list[int], devices: list[str]) -> 
 def print_training_table(runs: dict[str, dict[int, float]], batches: list[int], counts: list[int],
                          precision: str) -> None:
     """Markdown: ms per step and scaling over 1 GPU, ours and DDP's, for every batch and GPU count."""
-    print(f"\n## training step (MLP {D}->{L}x{H}->{C}, float32, {precision} matmuls on both sides; ms per step)\n")
+    print(f"\n## training step (MLP {D}->{L}x{H}->{C}, float32 parameters, {precision} matmuls on both sides; "
+          "ms per step)\n")
     head = ["global batch", "PyTensor JAX 1 GPU"]
     for k in counts:
         head += [f"ours {k}", f"DDP {k}", f"DDP {k} no per-step sync"]
@@ -427,43 +446,57 @@ def main() -> None:
 
     n = gpu_count()
     results: dict = {"gpus": n}
+    parts = os.environ.get("SYNK_BENCH_PARTS", "allreduce,tiny,tf32,fp32").split(",")
     nbytes = 256 << 20
-    ours = synk_all_reduce(n, nbytes)
-    raw = synk_comm.spawn(raw_nccl, n, args=(nbytes,), devices=list(range(n)))
-    raw_s = max(raw)
-    busbw = lambda s: 2 * (n - 1) / n * nbytes / s / 1e9  # noqa: E731
-    results["all_reduce_256MB"] = {"synk_ms": ours * 1e3, "raw_nccl4py_ms": raw_s * 1e3,
-                                   "synk_busbw": busbw(ours), "raw_busbw": busbw(raw_s)}
-    print("\n## all_reduce of a 256 MB float32 shared variable\n")
-    print("| | time (ms) | bus bandwidth (GB/s) |\n|---|---:|---:|")
-    print(f"| synk.all_reduce | {ours * 1e3:.3f} | {busbw(ours):.1f} |")
-    print(f"| raw nccl4py | {raw_s * 1e3:.3f} | {busbw(raw_s):.1f} |")
-    print(f"| ratio | | {busbw(ours) / busbw(raw_s):.1%} |", flush=True)
+    if "allreduce" in parts:
+        ours = synk_all_reduce(n, nbytes)
+        raw = synk_comm.spawn(raw_nccl, n, args=(nbytes,), devices=list(range(n)))
+        raw_s = max(raw)
+        busbw = lambda s: 2 * (n - 1) / n * nbytes / s / 1e9  # noqa: E731
+        results["all_reduce_256MB"] = {"synk_ms": ours * 1e3, "raw_nccl4py_ms": raw_s * 1e3,
+                                       "synk_busbw": busbw(ours), "raw_busbw": busbw(raw_s)}
+        print("\n## all_reduce of a 256 MB float32 shared variable\n")
+        print("| | time (ms) | bus bandwidth (GB/s) |\n|---|---:|---:|")
+        print(f"| synk.all_reduce | {ours * 1e3:.3f} | {busbw(ours):.1f} |")
+        print(f"| raw nccl4py | {raw_s * 1e3:.3f} | {busbw(raw_s):.1f} |")
+        print(f"| ratio | | {busbw(ours) / busbw(raw_s):.1%} |", flush=True)
 
-    overhead, plain = call_overhead(n)
-    results["tiny_call_us"] = {"synk": overhead * 1e6, "plain_jax": plain * 1e6}
-    print(f"\n## tiny call\n\nsynk {overhead * 1e6:.1f} us, plain PyTensor JAX {plain * 1e6:.1f} us, "
-          f"overhead {(overhead - plain) * 1e6:.1f} us", flush=True)
+    if "tiny" in parts:
+        overhead, plain = call_overhead(n)
+        results["tiny_call_us"] = {"synk": overhead * 1e6, "plain_jax": plain * 1e6}
+        print(f"\n## tiny call\n\nsynk {overhead * 1e6:.1f} us, plain PyTensor JAX {plain * 1e6:.1f} us, "
+              f"overhead {(overhead - plain) * 1e6:.1f} us", flush=True)
 
     batches = [int(b) for b in os.environ.get("SYNK_BENCH_BATCHES", "2048,8192,16384").split(",")]
     from synkhronos.gpu import visible_devices
 
     devices = visible_devices()
     counts = gpu_counts(n)
-    with matmul_precision(None):
-        runs = training_runs(batches, counts, devices)
-    if not USE_GPU:
-        print(runs)
-        return
-    results["train_step_s"] = runs
-    print_training_table(runs, batches, counts, "TF32")
+    runs: dict[str, dict[int, float]] = {}
+    if "tf32" in parts:
+        with matmul_precision(None):
+            runs = training_runs(batches, counts, devices)
+        if not USE_GPU:
+            print(runs)
+            return
+        results["train_step_s"] = runs
+        print_training_table(runs, batches, counts, "TF32")
+    if "bf16" in parts:
+        with matmul_precision(None), matmul_precision("bf16", POLICY_ENV):
+            mixed = training_runs(batches, counts, devices)
+        results["train_step_s_bf16"] = mixed
+        if USE_GPU:
+            print_training_table(mixed, batches, counts, "bf16 (ours precision='bf16', DDP autocast bf16)")
     strict_batches = [b for b in batches if b >= 8192]
-    with matmul_precision("highest"):
-        strict = training_runs(strict_batches, counts, devices)
-    results["train_step_s_strict_fp32"] = strict
-    print_training_table(strict, strict_batches, counts, "strict float32")
+    if "fp32" in parts and USE_GPU:
+        with matmul_precision("highest"):
+            strict = training_runs(strict_batches, counts, devices)
+        results["train_step_s_strict_fp32"] = strict
+        print_training_table(strict, strict_batches, counts, "strict float32")
     with open(os.path.join(OUT, "bench_gpu.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
+    if not runs:
+        return
     try:
         import matplotlib
 

@@ -135,11 +135,14 @@ def hierarchical(sizes_mib: list[float], reps: int) -> dict[tuple[str, float], f
             seconds[("shm, one host", mib)] = timed(lambda n=n: group.run(ALL_REDUCE, n), reps)
     finally:
         group.close()
-    port = free_port_pair()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *sys.path[1:]]))
+    ports = free_port_pair()
+    port = ports.port
+    secret = net.new_secret()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *sys.path[1:]]), **{net.SECRET_ENV: secret})
     env.pop("SYNK_RUN_PREFIX", None)
     agent = subprocess.Popen([sys.executable, "-m", "synk_comm.net", f"tcp://127.0.0.1:{port}", "1", "2"], env=env)
-    hub = net.Hub(f"tcp://127.0.0.1:{port}")
+    ports.close()
+    hub = net.Hub(f"tcp://127.0.0.1:{port}", secret=secret)
     try:
         span = net.SpanGroup.start(hub, nnodes=2, nproc=2, imports=["bench_multinode"], timeout=60)
         for mib, n in sizes.items():

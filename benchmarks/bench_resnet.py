@@ -1,4 +1,4 @@
-"""ResNet-50 training throughput (images/s), side by side in one run, strict float32 and TF32.
+"""ResNet-50 training throughput (images/s), side by side in one run, strict float32, TF32 and bf16.
 
 Every row trains the same network on the same shapes: ResNet-50 of
 :func:`synk_lasagne.models.build_resnet` (bottleneck blocks, batch norm with batch statistics,
@@ -21,7 +21,11 @@ the GPU, ``--steps`` timed steps after ``--warmup``:
 Precisions: ``fp32`` strict float32 (``jax_default_matmul_precision=highest``;
 ``torch.backends.cudnn.allow_tf32 = False`` and ``torch.backends.cuda.matmul.allow_tf32 =
 False``), ``tf32`` each framework's defaults (XLA: TF32 convolutions and matmuls on Hopper;
-torch: TF32 cuDNN convolutions, float32 matmuls).
+torch: TF32 cuDNN convolutions, float32 matmuls), ``bf16`` mixed precision: ours the policy
+``precision="bf16"`` (:mod:`synkhronos.precision`: bfloat16 operands of every convolution and
+matrix product, float32 accumulation, everything else float32; plain PyTensor JAX compiled in
+``precision.jax_mode("JAX", "bf16")``), torch ``torch.autocast("cuda", torch.bfloat16)`` (AMP),
+and in bf16 one more torch row: ``channels_last compile``, AMP + channels_last + ``torch.compile``.
 
 Anchors measured on one H100 (``shared/reference/resnet_anchor.py``, batch 64 / 128, defaults):
 torchvision NCHW 1713 / 1802, channels_last 2204 / 2398, a plain-JAX ResNet-50 2399 / 2632.
@@ -50,8 +54,10 @@ import numpy as np
 from bench_gpu import gpu_counts, gpu_name, gpus_visible, in_child
 
 OUT = os.environ.get("OUT", "/tmp")
-PRECISIONS = {"fp32": "highest", "tf32": None}
+PRECISIONS = {"fp32": "highest", "tf32": None, "bf16": None}
 """Our precision names -> ``jax_default_matmul_precision`` (None: XLA's default)."""
+POLICIES = {"fp32": "default", "tf32": "default", "bf16": "bf16"}
+"""Our precision names -> the Synkhronos precision policy (:mod:`synkhronos.precision`)."""
 ANCHORS = {"torchvision NCHW": (1713, 1802), "torchvision channels_last": (2204, 2398),
            "plain JAX ResNet-50 (anchor)": (2399, 2632)}
 """images/s on one H100 at batch 64 / 128, each framework's default precision."""
@@ -67,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--classes", type=int, default=1000)
-    parser.add_argument("--precisions", default="fp32,tf32", help="comma-separated: fp32 (strict), tf32")
+    parser.add_argument("--precisions", default="fp32,tf32", help="comma-separated: fp32 (strict), tf32, bf16")
     parser.add_argument("--gpus", type=int, default=None, help="largest GPU count of the scaling rows (default: all)")
     parser.add_argument("--skip", default="", help="comma-separated rows to skip: plain, synk, torch, ddp")
     parser.add_argument("--in-flight", type=int, default=0,
@@ -82,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.precision_list = [p for p in args.precisions.split(",") if p]
     unknown = set(args.precision_list) - set(PRECISIONS)
     if unknown:
-        parser.error(f"unknown precisions {sorted(unknown)}: use fp32 and/or tf32")
+        parser.error(f"unknown precisions {sorted(unknown)}: use fp32, tf32 and/or bf16")
     args.skip_set = {s for s in args.skip.split(",") if s}
     return args
 
@@ -160,10 +166,21 @@ def plain_worker(args: argparse.Namespace) -> dict[str, float]:
         new_v = np.float32(0.9) * v - np.float32(0.01) * g
         updates += [(v, new_v), (p, p + new_v)]
     use_jax = jax_available()
-    t0 = time.perf_counter()
-    f = pytensor.function([x, y], loss, updates=updates + state, mode="JAX" if use_jax else "FAST_COMPILE")
-    f.trust_input = True
-    print(f"plain PyTensor: compiled the graph in {time.perf_counter() - t0:.1f} s", flush=True)
+    compiled: dict[str, Any] = {}
+
+    def step_function(precision: str) -> Any:
+        """The step compiled under ``precision``'s policy (one function per policy)."""
+        policy = POLICIES[precision] if use_jax else "default"
+        if policy not in compiled:
+            from synkhronos import precision as precisions
+
+            t0 = time.perf_counter()
+            mode = precisions.jax_mode("JAX", policy) if use_jax else "FAST_COMPILE"
+            fn = compiled[policy] = pytensor.function([x, y], loss, updates=updates + state, mode=mode)
+            fn.trust_input = True
+            print(f"plain PyTensor: compiled the graph ({policy}) in {time.perf_counter() - t0:.1f} s", flush=True)
+        return compiled[policy]
+
     put: Any = np.asarray
     if use_jax:
         import jax
@@ -176,6 +193,7 @@ def plain_worker(args: argparse.Namespace) -> dict[str, float]:
     for precision in args.precision_list:
         if use_jax:
             jax.config.update("jax_default_matmul_precision", PRECISIONS[precision])
+        f = step_function(precision)
         for batch in args.batch_list:
             xb, yb = (put(a) for a in random_batch(args, batch))
             t0 = time.perf_counter()
@@ -196,9 +214,9 @@ def plain_times(f: Any, xb: Any, yb: Any, args: argparse.Namespace, use_jax: boo
 
 # --- Synkhronos ---------------------------------------------------------------------------------
 
-def synk_worker(args: argparse.Namespace, n: int, use_gpu: bool) -> dict[str, float]:
-    """``{str(batch): seconds per step}`` of synk_lasagne's training function on ``n`` ranks (the
-    precision comes from ``JAX_DEFAULT_MATMUL_PRECISION`` in the environment of the workers)."""
+def synk_worker(args: argparse.Namespace, n: int, use_gpu: bool, policy: str = "default") -> dict[str, float]:
+    """``{str(batch): seconds per step}`` of synk_lasagne's training function on ``n`` ranks under the
+    precision ``policy`` (and ``JAX_DEFAULT_MATMUL_PRECISION`` in the environment of the workers)."""
     import pytensor
 
     import synkhronos as synk
@@ -212,9 +230,10 @@ def synk_worker(args: argparse.Namespace, n: int, use_gpu: bool) -> dict[str, fl
         xs = pytensor.shared(np.zeros((0, 3, size, size), "float32"), name="xs", shape=(None, 3, size, size))
         ys = pytensor.shared(np.zeros(0, "int32"), name="ys")
         loss, params, _ = network(args, xs, ys)  # make_train_function applies the state updates itself
-        fkw = {} if use_gpu else {"mode": "FAST_COMPILE"}
+        fkw = {} if use_gpu or policy != "default" else {"mode": "FAST_COMPILE"}  # a policy needs JAX
         train = make_train_function(loss, params, [], updates.momentum, sliceable_shareds=[xs, ys],
-                                    learning_rate=np.float32(0.01), momentum=np.float32(0.9), function_kwargs=fkw)
+                                    learning_rate=np.float32(0.01), momentum=np.float32(0.9), function_kwargs=fkw,
+                                    precision=policy)
         synk.scatter([xs, ys], list(random_batch(args, max(args.batch_list) * n)))
         times = {}
         for batch in args.batch_list:
@@ -262,8 +281,10 @@ def torch_model(precision: str, channels_last: bool, device: str) -> tuple[Any, 
     return torch, model
 
 
-def torch_step(torch: Any, model: Any, batch: int, channels_last: bool, device: str, args: argparse.Namespace) -> Any:
-    """A closure of one SGD-momentum step of ``model`` on a random resident batch."""
+def torch_step(torch: Any, model: Any, batch: int, channels_last: bool, device: str, args: argparse.Namespace,
+               amp: bool = False, compiled: Any = None) -> Any:
+    """A closure of one SGD-momentum step of ``model`` on a random resident batch (``amp``: the forward
+    pass and loss under ``torch.autocast`` bfloat16; ``compiled``: ``torch.compile(model)`` runs it)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(batch, 3, args.image_size, args.image_size, device=device)
     if channels_last:
@@ -271,9 +292,12 @@ def torch_step(torch: Any, model: Any, batch: int, channels_last: bool, device: 
     y = torch.randint(0, 1000, (batch,), device=device)
     lossf = torch.nn.CrossEntropyLoss()
 
+    run = model if compiled is None else compiled
+
     def step() -> Any:
         opt.zero_grad(set_to_none=True)
-        loss = lossf(model(x), y)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
+            loss = lossf(run(x), y)
         loss.backward()
         opt.step()
         return loss
@@ -284,14 +308,23 @@ def torch_step(torch: Any, model: Any, batch: int, channels_last: bool, device: 
 def torch_worker(args: argparse.Namespace, precision: str, device: str) -> dict[str, float]:
     """``{f"{layout} {batch}" and ... " async": seconds per step}`` of torchvision's resnet50."""
     times = {}
-    for layout in ("NCHW", "channels_last"):
-        torch, model = torch_model(precision, layout == "channels_last", device)
+    amp = precision == "bf16"
+    for layout in torch_layouts(precision, device):
+        torch, model = torch_model(precision, layout != "NCHW", device)
+        compiled = torch.compile(model) if layout.endswith("compile") else None
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         for batch in args.batch_list:
-            step = torch_step(torch, model, batch, layout == "channels_last", device, args)
+            step = torch_step(torch, model, batch, layout != "NCHW", device, args, amp, compiled)
             times[f"{layout} {batch}"] = timed(lambda step=step: step().item(), args.warmup, args.steps)
             times[f"{layout} {batch} async"] = timed(step, args.warmup, args.steps, finish=sync)
     return times
+
+
+def torch_layouts(precision: str, device: str) -> list[str]:
+    """The torch rows of ``precision``: NCHW and channels_last; in bf16 on GPUs also channels_last with
+    ``torch.compile`` (the fastest PyTorch recipe: AMP + channels_last + compile)."""
+    compile_row = precision == "bf16" and device == "cuda"
+    return ["NCHW", "channels_last", *(["channels_last compile"] if compile_row else [])]
 
 
 def ddp_worker(rank: int, n: int, args: argparse.Namespace, precision: str, path: str, q: Any) -> None:
@@ -304,7 +337,7 @@ def ddp_worker(rank: int, n: int, args: argparse.Namespace, precision: str, path
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
     times = {}
     for batch in args.batch_list:
-        step = torch_step(torch, model, batch, True, "cuda", args)
+        step = torch_step(torch, model, batch, True, "cuda", args, precision == "bf16")
         times[str(batch)] = timed(lambda step=step: step().item(), args.warmup, args.steps)
     dist.destroy_process_group()
     q.put(times)
@@ -380,14 +413,14 @@ def collect(args: argparse.Namespace, devices: list[str], use_gpu: bool) -> list
         if "synk" not in args.skip_set:
             for n in counts:
                 with precision_env(precision):
-                    seconds = in_child(synk_worker, (args, n, use_gpu), devices) if use_gpu else \
-                        synk_worker(args, n, use_gpu)
+                    work = (args, n, use_gpu, POLICIES[precision])
+                    seconds = in_child(synk_worker, work, devices) if use_gpu else synk_worker(*work)
                 add(f"synk {n} rank{'s' if n > 1 else ''}", precision, n, seconds, "{batch}")
         if "torch" not in args.skip_set and torch_available():
             device = "cuda" if use_gpu else "cpu"
             seconds = in_child(torch_worker, (args, precision, device), one) if use_gpu else \
                 torch_worker(args, precision, device)
-            for layout in ("NCHW", "channels_last"):
+            for layout in torch_layouts(precision, device):
                 add(f"torchvision {layout}", precision, 1, seconds, layout + " {batch}")
                 add(f"torchvision {layout} (async)", precision, 1, seconds, layout + " {batch} async")
         if "ddp" not in args.skip_set and use_gpu and torch_available():
@@ -411,7 +444,8 @@ def table(rows: list[dict[str, Any]], precision: str, batches: list[int]) -> str
             value = by.get((config, b))
             cells.append(f"{value:.0f}" if value else "-")
             base = by.get(("plain PyTensor JAX", b))
-            best = max((by.get((c, b)) or 0 for c in ("torchvision NCHW", "torchvision channels_last")), default=0)
+            best = max((by.get((c, b)) or 0 for c in ("torchvision NCHW", "torchvision channels_last",
+                                                        "torchvision channels_last compile")), default=0)
             gpus = next((r["gpus"] for r in mine if r["config"] == config), 1)
             one = by.get(("synk 1 rank", b)) if config.startswith("synk") else \
                 by.get(("torchvision channels_last", b)) if config.startswith("DDP") else None

@@ -80,7 +80,7 @@ html_theme = "alabaster"
 html_static_path = ["_static"]
 html_title = f"Synkhronos {release}"
 html_theme_options = {
-    "description": "Data-parallel PyTensor functions on every GPU or CPU core of a machine",
+    "description": "Data-parallel PyTensor functions on the GPUs or CPU cores of a machine",
     "fixed_sidebar": True,
     "page_width": "1300px",
     "sidebar_width": "250px",

@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -45,7 +45,7 @@ if [ "$what" = all ] || [ "$what" = reliability ]; then
   SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 420 python3 -m pytest -p no:cacheprovider -q -rs tests/reliability \
     > "$OUT/reliability_gpu.log" 2>&1 || status=1
   tail -n 40 "$OUT/reliability_gpu.log"
-  SYNK_TEST_GPU=1 timeout 150 python3 benchmarks/soak.py --calls 20000 --sample 5000 2>&1 | tee "$OUT/soak_gpu.log" || status=1
+  SYNK_TEST_GPU=1 timeout 150 python3 tests/reliability/soak.py --calls 20000 --sample 5000 2>&1 | tee "$OUT/soak_gpu.log" || status=1
 fi
 # synk_lasagne's step on an uneven batch (one program cut at its all-reduce) against its chain, every GPU
 if [ "$what" = all ] || [ "$what" = uneven ]; then
@@ -67,7 +67,7 @@ if [ "$what" = hot ]; then  # the engine's call path: its GPU tests, the one-GPU
   timeout 150 python3 -m pytest -p no:cacheprovider -q packages/synk-theano/tests/test_synk_engine_gpu.py 2>&1 \
     | tail -n 5 | tee "$OUT/engine_gpu_tests.log" || status=1
   timeout 320 python3 benchmarks/bench_engine.py --reps 3 2>&1 | tee "$OUT/bench_engine.log" || status=1
-  PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 150 python3 benchmarks/profile_engine_call.py 2>&1 \
+  PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 150 python3 tools/profile_engine_call.py 2>&1 \
     | tee "$OUT/profile_engine_call.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = tiny ]; then  # the engine's tiny call against plain, side by side in one process
@@ -89,6 +89,23 @@ fi
 if [ "$what" = all ] || [ "$what" = resnet-fp32 ]; then
   timeout 560 python3 benchmarks/bench_resnet.py --batches 64,128 --precisions fp32 2>&1 | tee "$OUT/bench_resnet_fp32.log" || status=1
 fi
+# Mixed precision on ONE GPU (synkhronos.precision): ResNet-50 images/s in bf16 -- ours (precision="bf16"),
+# plain PyTensor JAX under the policy, torchvision AMP (NCHW, channels_last) and AMP + channels_last +
+# torch.compile -- at BATCHES (default 128,256; PRECISIONS=tf32,bf16 adds the TF32 rows, in a second call
+# if one call's 10 minutes do not hold both)
+if [ "$what" = resnet-bf16 ]; then
+  timeout 570 python3 benchmarks/bench_resnet.py --gpus 1 --batches "${BATCHES:-128,256}" --precisions "${PRECISIONS:-bf16}" \
+    --skip ddp 2>&1 | tee "$OUT/bench_resnet_bf16.log" || status=1
+fi
+# The benchmark MLP's step in TF32 and bf16 against DDP (+ autocast bf16) on every GPU, then the CNN MNIST demo in
+# bf16 and in the default precision (accuracy within 0.5 points is the goal)
+if [ "$what" = precision ]; then
+  SYNK_BENCH_PARTS=tf32,bf16 timeout 300 python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu_bf16.log" || status=1
+  for p in bf16 default; do
+    timeout 120 python3 examples/mnist/train_mnist.py --model cnn --precision $p --no-baseline --no-progress \
+      --plot "$OUT/mnist_cnn_$p.png" 2>&1 | tail -n 4 | tee "$OUT/mnist_cnn_$p.log" || status=1
+  done
+fi
 # CPU mode on the machine's CPU cores (16 on the one-GPU kinds): scaling against torch DDP (gloo)
 if [ "$what" = all ] || [ "$what" = cpu ]; then
   CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 300 python3 benchmarks/bench_cpu_scaling.py 2>&1 | tee "$OUT/bench_cpu_scaling.log" || status=1
@@ -96,7 +113,7 @@ fi
 # CPU mode on 2 of the machine's cores (taskset: a quiet 2-core machine; two cores of different physical
 # cores, not one core's two hyperthreads): the tiny call at 2 ranks (twice; TINY=0 skips it) and the
 # main job (data-parallel against one process on both cores), RUNS rounds (default 3) of its
-# VARIANTS alternating: ';'-separated sets of flags (default: the defaults, then --keep-last-batch),
+# VARIANTS alternating: ';'-separated sets of flags (default: the defaults, then one 1024-row step per epoch),
 # e.g. VARIANTS='--layers 8;--layers 12' (a leading ';': the defaults first); with BASE=<dir holding
 # another tree's packages/ and examples/> (carried), that tree's main job before each of ours; CORES=a,b
 # takes those two cores instead of the first two physical ones
@@ -109,7 +126,7 @@ if [ "$what" = cpu2 ]; then
         2>/dev/null | tee -a "$OUT/tiny_2cores.log" || status=1
     done
   fi
-  IFS=';' read -ra variants <<< "${VARIANTS:-;--keep-last-batch}"
+  IFS=';' read -ra variants <<< "${VARIANTS:-;--batch-size 1024 --drop-last --epochs 500}"
   trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
   for i in $(seq "${RUNS:-3}"); do
     for v in "${!variants[@]}"; do
@@ -127,7 +144,7 @@ if [ "$what" = cpu2 ]; then
   done
 fi
 # The tiny call at 2 ranks on the two cores machine.physical_cores picks (CORES=a,b to choose: on a
-# VM the host may pair vCPUs as hyperthreads, RESULTS session 23), RUNS times, the trees taking turns (BASE=)
+# VM the host may pair vCPUs as hyperthreads), RUNS times, the trees taking turns (BASE=)
 if [ "$what" = tiny2 ]; then
   two=${CORES:-$(cd benchmarks && python3 -c "from machine import physical_cores; print(','.join(map(str, physical_cores(2))))")}
   trees=(.); [ -n "${BASE:-}" ] && trees=("$BASE" .)
@@ -151,7 +168,7 @@ import bench_cpu_scaling as b; print(json.dumps(b.run_one(sys.argv[1], int(sys.a
   for tree in ${PROBE_TREES:-${trees[@]}}; do
     echo "== tree $tree, all-reduce probe"
     PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 \
-      benchmarks/probe_in_program_all_reduce.py --ranks "${PROBE_RANKS:-2,4,8,16}" 2>&1 | grep -v "^ \|^Trace\|^Runtime\|^An NVIDIA\|^Jax plugin" \
+      tools/probe_in_program_all_reduce.py --ranks "${PROBE_RANKS:-2,4,8,16}" 2>&1 | grep -v "^ \|^Trace\|^Runtime\|^An NVIDIA\|^Jax plugin" \
       | tee -a "$OUT/all_reduce.log" || status=1
   done
   for i in $(seq "${RUNS:-2}"); do
@@ -178,18 +195,18 @@ if [ "$what" = tiny16 ]; then
   done
   for tree in "${trees[@]}"; do
     echo "== tree $tree, probe"
-    PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 benchmarks/probe_tiny_call.py \
+    PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 tools/probe_tiny_call.py \
       --ranks 2,16 2>&1 | tee -a "$OUT/probe_tiny_16cores.log" || status=1
   done
 fi
 # The training step on every GPU against hand-written JAX and DDP, under XLA flag variants, then
-# where the engine's step spends its host time (benchmarks/probe_gpu_step.py)
+# where the engine's step spends its host time (tools/probe_gpu_step.py)
 if [ "$what" = step ]; then
-  timeout 420 python3 benchmarks/probe_gpu_step.py 2>&1 | tee "$OUT/probe_gpu_step.log" || status=1
-  timeout 150 python3 benchmarks/probe_gpu_step.py --phases 2>&1 | tee -a "$OUT/probe_gpu_step.log" || status=1
+  timeout 420 python3 tools/probe_gpu_step.py 2>&1 | tee "$OUT/probe_gpu_step.log" || status=1
+  timeout 150 python3 tools/probe_gpu_step.py --phases 2>&1 | tee -a "$OUT/probe_gpu_step.log" || status=1
 fi
 if [ "$what" = profile ]; then
-  timeout 300 python3 benchmarks/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
+  timeout 300 python3 tools/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = comm ]; then
   timeout 180 python3 benchmarks/bench_comm_gpu.py 2>&1 | tee "$OUT/bench_comm_gpu.log" || status=1

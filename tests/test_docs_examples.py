@@ -237,7 +237,8 @@ def test_shell_blocks_name_real_sessions_and_paths():
         commands = "\n".join(lines)
         for name in re.findall(r"nox -s ((?:\w+ ?)+)", commands):
             problems += [f"{b.where}: no nox session {s!r}" for s in name.split() if s not in sessions]
-        for path in re.findall(r"(?<![\w/.-])((?:packages|examples|benchmarks|gpu|docs|tests)/[\w./-]+)", commands):
+        folders = "packages|examples|benchmarks|tools|gpu|docs|tests"
+        for path in re.findall(rf"(?<![\w/.-])((?:{folders})/[\w./-]+)", commands):
             if not (ROOT / path.rstrip(".")).exists():
                 problems.append(f"{b.where}: {path} does not exist")
     assert not problems, "\n".join(problems)

@@ -25,6 +25,7 @@ Examples::
     python examples/resnet/train_resnet.py                                  # ResNet-50, 224x224, every GPU
     python examples/resnet/train_resnet.py --depth 18 --image-size 64 --width 16 --cpu --steps 20
     python examples/resnet/train_resnet.py --data-dir ~/imagenette/train --classes 10 --pattern scatter
+    python examples/resnet/train_resnet.py --precision bf16 --batch-size 128     # bfloat16 products
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--mode", default=None, help="PyTensor mode (default: JAX on GPUs, PyTensor's on CPUs)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=["default", "highest", "bf16"], default="default",
+                        help="precision policy of the products (synkhronos.precision): bf16 = bfloat16 operands, "
+                             "float32 accumulation, parameters and state float32; needs JAX")
     args = parser.parse_args(argv)
     if min(args.batch_size, args.steps, args.image_size, args.width, args.classes) < 1 or args.warmup < 0:
         parser.error("--batch-size, --steps, --image-size, --width and --classes must be >= 1, --warmup >= 0")
@@ -182,7 +186,7 @@ def run(args: argparse.Namespace, images: np.ndarray, labels: np.ndarray, n_clas
 
     from synkhronos.runtime import current
 
-    n = synk.fork(n_parallel, use_gpu=False if args.cpu else None)
+    n = synk.fork(n_parallel, use_gpu=False if args.cpu else None, precision=args.precision)
     rt = current()
     assert rt is not None
     kind = "GPUs" if rt.device.use_gpu else "CPU processes"

@@ -121,6 +121,55 @@ def test_fork_spans_both_hosts(ranks, other):
         synk.fork()
 
 
+class _CreatesFile:
+    """A pickle whose unpickling creates a file: what an outsider sends to run code in the master."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_an_outsiders_pickle_runs_nothing_and_the_run_goes_on(ranks, other, tmp_path):
+    """During the run, a process outside it connects to the master's port (that of the agents) and
+    sends pickles that would create a file, bare and with a forged signature, under two identities
+    (one named as agents are): each is dropped unread (the file never appears), and the run's calls
+    give the right results."""
+    import zmq
+
+    from synk_comm import net
+    from synkhronos import multinode
+
+    hub = multinode.hub()
+    before = hub._refused.count
+    evil = [tmp_path / f"ran{i}" for i in range(4)]
+    ctx = zmq.Context()
+    try:
+        for i, ident in enumerate([b"outsider", b"node1-1"]):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.IDENTITY, ident)
+            sock.connect(f"tcp://127.0.0.1:{other.nodes.port}")
+            sock.send_multipart(net._pack(_CreatesFile(str(evil[2 * i]))))
+            forged = net._Seal(b"not the run's secret, a guess")
+            sock.send_multipart(forged.seal(ident, net._pack(_CreatesFile(str(evil[2 * i + 1])))))
+            sock.close()
+        x = pt.matrix("x")
+        f = synk.function([x], outputs=[(pt.sum(x), "sum"), (x, "gather")])
+        values = rows(30, seed=9)
+        deadline = time.monotonic() + 10
+        while hub._refused.count < before + 4 and time.monotonic() < deadline:
+            total, gathered = f(synk.data(values))  # the master reads its socket during calls
+            np.testing.assert_allclose(total, values.sum())
+            np.testing.assert_allclose(gathered, values)
+        assert hub._refused.count == before + 4, "the outsider's messages did not arrive"
+        assert not any(p.exists() for p in evil), "an outsider's pickle was unpickled in the master"
+        assert [p.host for p in current().group.peers] == [HOST]
+    finally:
+        ctx.term()
+
+
 def test_scatter_broadcast_batch_and_output_reductions(ranks):
     x, y = pt.matrix("x"), pt.vector("y")
     z = x @ y
@@ -356,17 +405,29 @@ def test_a_host_that_never_connects_is_named(monkeypatch):
     assert current() is None and not worker_pids()
 
 
-@pytest.mark.parametrize("example", ["introductory.py", "batch_vs_batch_s.py"])
-def test_the_seeds_examples_through_the_launcher_on_two_hosts(example):
+EXAMPLE_LINES = {  # what each example prints itself (the start of each of its lines)
+    "introductory.py": ("2 ranks: synkhronos ", "All assertions passed."),
+    "batch_vs_batch_s.py": ("batch ", "batch_s slice(0, 2) -> ", "All assertions passed."),
+}
+
+
+@pytest.mark.parametrize("example, floatx", [("introductory.py", "float32"), ("batch_vs_batch_s.py", "float64")])
+def test_the_seeds_examples_through_the_launcher_on_two_hosts(example, floatx):
     """``python -m synkhronos.launch`` on both "hosts", the seed's script unchanged on node 0 (its
-    ``synk.fork(2, use_gpu=False)`` spans 1 rank here and 1 there); both launchers exit 0.
+    ``synk.fork(2, use_gpu=False)`` spans 1 rank here and 1 there); both launchers exit 0, and
+    print nothing but the script's own lines: no gloo connection lines from the workers, no JAX
+    warnings about float64 truncated on float32 work, no launcher logs.
     (``shared_variables.py`` fails under the JAX engine on one host too: after ``f.as_theano``,
     ``s.get_value()`` reads compute rank 0's value, not the master's; its collectives are
     :func:`test_shared_variable_collectives`.)"""
+    from synk_comm.net import SECRET_ENV, new_secret
     from synkhronos.launch import free_port_pair
 
-    port = free_port_pair()
+    ports = free_port_pair()
+    port = ports.port
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNK_")}
+    env[SECRET_ENV] = new_secret()  # the same on both hosts
+    env["PYTENSOR_FLAGS"] = ",".join(filter(None, [env.get("PYTENSOR_FLAGS"), f"floatX={floatx}"]))
 
     def launcher(node: int, *script: str) -> subprocess.Popen[str]:
         return subprocess.Popen([sys.executable, "-m", "synkhronos.launch", "--nnodes", "2", "--node-rank", str(node),
@@ -374,12 +435,18 @@ def test_the_seeds_examples_through_the_launcher_on_two_hosts(example):
                                 env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     there = launcher(1)
+    ports.release_master()  # node 0's master binds it
     here = launcher(0, os.path.join("examples", example))
     try:
         out, _ = here.communicate(timeout=100)
         assert here.returncode == 0 and "All assertions passed." in out, out[-3000:]
         assert there.wait(15) == 0
+        others = there.stdout.read()
+        noise = [line for line in out.splitlines() if not line.startswith(EXAMPLE_LINES[example])]
+        assert not noise, f"lines the user cannot act on, from node 0: {noise}"
+        assert not others, f"node 1's launcher printed: {others[-3000:]}"
     finally:
+        ports.close()
         for proc in (here, there):
             if proc.poll() is None:
                 proc.kill()
@@ -388,19 +455,72 @@ def test_the_seeds_examples_through_the_launcher_on_two_hosts(example):
 
 # --- the launcher's options --------------------------------------------------------------------------
 
-def test_the_launcher_reads_slurm(monkeypatch):
-    from synkhronos.launch import _parser, first_host
+SLURM_LISTS = {  # Slurm's host lists and their expansions by `scontrol show hostnames`
+    "node[007-010]": ["node007", "node008", "node009", "node010"],
+    "rack[1-2]-node[01-03]": ["rack1-node01", "rack1-node02", "rack1-node03",
+                              "rack2-node01", "rack2-node02", "rack2-node03"],
+    "gpu[03-05,07],cpu1": ["gpu03", "gpu04", "gpu05", "gpu07", "cpu1"],
+    "a1,b2": ["a1", "b2"],
+    "n[8-10]": ["n8", "n9", "n10"],
+    "n[098-101]x": ["n098x", "n099x", "n100x", "n101x"],
+    "login,c[1,3]-ib[0-1],d": ["login", "c1-ib0", "c1-ib1", "c3-ib0", "c3-ib1", "d"],
+    "single": ["single"],
+}
 
-    assert first_host("gpu[03-05,07],cpu1") == "gpu03" and first_host("a1,b2") == "a1"
+
+@pytest.mark.parametrize("nodelist", sorted(SLURM_LISTS))
+def test_slurm_host_lists_expand_as_slurm_does(nodelist, monkeypatch):
+    from synkhronos.launch import expand_hostlist, first_host
+
+    monkeypatch.setenv("PATH", "")  # no scontrol: the parser
+    assert expand_hostlist(nodelist) == SLURM_LISTS[nodelist]
+    assert first_host(nodelist) == SLURM_LISTS[nodelist][0]
+
+
+@pytest.mark.parametrize("bad", ["node[1-", "node]1[", "node[a-b]", "node[3-1]", ""])
+def test_a_bad_slurm_host_list_is_refused(bad):
+    from synkhronos.launch import expand_hostlist
+
+    with pytest.raises(ValueError, match="Slurm host list"):
+        expand_hostlist(bad)
+
+
+def test_scontrol_reads_the_host_list_where_it_is_installed(tmp_path, monkeypatch):
+    """With Slurm's ``scontrol`` on the PATH its expansion is used (a stand-in here that records its
+    arguments); without it, or when it fails, the parser's."""
+    from synkhronos.launch import first_host, hostnames
+
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args'}\necho from-scontrol-1\necho from-scontrol-2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert hostnames("rack[1-2]-node[01-04]") == ["from-scontrol-1", "from-scontrol-2"]
+    assert (tmp_path / "args").read_text().split() == ["show", "hostnames", "rack[1-2]-node[01-04]"]
+    fake.write_text("#!/bin/sh\nexit 1\n")  # scontrol fails (no controller): the parser
+    assert first_host("rack[1-2]-node[01-04]") == "rack1-node01"
+
+
+def test_the_launcher_reads_slurm(monkeypatch):
+    from synkhronos.launch import _parser
+
     for key in list(os.environ):
-        if key.startswith("SYNK_COORDINATOR"):
+        if key.startswith("SYNK_COORDINATOR") or key == "SYNK_BIND_ADDRESS":
             monkeypatch.delenv(key)
+    monkeypatch.setenv("PATH", "")
     monkeypatch.setenv("SLURM_NNODES", "4")
     monkeypatch.setenv("SLURM_NODEID", "2")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[007-010]")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "rack[1-2]-node[007-010]")
     args = _parser().parse_args(["train.py", "--epochs", "3"])
-    assert (args.nnodes, args.node_rank, args.coordinator) == (4, 2, "node007:29500")
-    assert args.script == "train.py" and args.args == ["--epochs", "3"]
+    assert (args.nnodes, args.node_rank, args.coordinator) == (4, 2, "rack1-node007:29500")
+    assert args.script == "train.py" and args.args == ["--epochs", "3"] and args.bind is None
+
+
+def test_a_launch_without_the_runs_secret_is_refused(monkeypatch):
+    from synkhronos.launch import main
+
+    monkeypatch.delenv("SYNK_RUN_SECRET", raising=False)
+    with pytest.raises(SystemExit, match="SYNK_RUN_SECRET is not set"):
+        main(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--coordinator", "127.0.0.1:1"])
 
 
 def test_gpu_modes_code_across_hosts_on_emulated_gpus(monkeypatch):

@@ -35,10 +35,11 @@ def free_port() -> int:
 def start(nproc_there: int = 2) -> tuple[net.Hub, net.SpanGroup, subprocess.Popen[str]]:
     """A hub here, a bare agent with ``nproc_there`` workers, and the group over both (1 worker here)."""
     port = free_port()
+    secret = net.new_secret()
     agent = subprocess.Popen([sys.executable, "-m", "synk_comm.net", f"tcp://127.0.0.1:{port}", "1",
-                              str(nproc_there)], env=python_env(), stdin=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-    hub = net.Hub(f"tcp://127.0.0.1:{port}")
+                              str(nproc_there)], env=dict(python_env(), **{net.SECRET_ENV: secret}),
+                             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    hub = net.Hub(f"tcp://127.0.0.1:{port}", secret=secret)
     try:
         return hub, net.SpanGroup.start(hub, nnodes=2, nproc=1, imports=["net_handlers"], timeout=30), agent
     except BaseException:
@@ -150,3 +151,60 @@ def test_identities_leave_every_value_unchanged():
                 continue
             e = np.full_like(v, identity(op, v.dtype))
             np.testing.assert_array_equal(op.ufunc(v, e), v, err_msg=f"{op} of {name}")
+
+
+class _CreatesFile:
+    """A pickle that creates a file when it is unpickled (what an outsider would send)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_messages_without_the_runs_signature_are_dropped_unread(tmp_path, caplog):
+    """An outsider's pickle (unsigned, signed with another secret, or a replay of a signed message)
+    reaches the hub and is dropped before it is unpickled: nothing runs, one warning per address."""
+    import zmq
+
+    port = free_port()
+    secret = net.new_secret()
+    hub = net.Hub(f"tcp://127.0.0.1:{port}", secret=secret)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, b"node1-1")
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        evil = [tmp_path / f"pwned{i}" for i in range(3)]
+        hello = net._pack(("hello", 1, "outsider", 1, 1, net.PROTOCOL))
+        signed = net._Seal(secret.encode()).seal(b"node1-1", hello)
+        with caplog.at_level("DEBUG", logger="synk_comm.net"):
+            sock.send_multipart(net._pack(_CreatesFile(str(evil[0]))))
+            sock.send_multipart(net._Seal(net.new_secret().encode()).seal(b"node1-1",
+                                                                          net._pack(_CreatesFile(str(evil[1])))))
+            sock.send_multipart([bytes(signed[0]), *net._pack(_CreatesFile(str(evil[2])))])  # a tag, not its body
+            sock.send_multipart([bytes(f) for f in signed])  # the real one: a host says hello
+            sock.send_multipart([bytes(f) for f in signed])  # replayed
+            deadline = time.monotonic() + 10
+            while hub._refused.count < 4 and time.monotonic() < deadline:
+                hub.pump(0.05)
+        assert not any(p.exists() for p in evil), "an unsigned pickle was unpickled"
+        assert hub._refused.count == 4 and [p.host for p in hub.peers.values()] == ["outsider"]
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "without this run's signature" in warnings[0].getMessage()
+        assert "127.0.0.1" in warnings[0].getMessage()
+    finally:
+        sock.close(0)
+        ctx.term()
+        hub.shutdown()
+
+
+def test_a_run_without_a_secret_is_refused(monkeypatch):
+    monkeypatch.delenv(net.SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match="SYNK_RUN_SECRET is not set"):
+        net.Hub(f"tcp://127.0.0.1:{free_port()}")
+    monkeypatch.setenv(net.SECRET_ENV, "short")
+    with pytest.raises(ValueError, match="fewer than 16"):
+        net.Agent("tcp://127.0.0.1:1", 1, 1)

@@ -2,7 +2,7 @@
 
 Helpers live in :mod:`lasagne_testutil` (every package's tests run in one pytest session, where
 the name ``conftest`` is not unique); this directory goes on ``sys.path`` so that it imports by
-name.  ``ranks`` forks a group of 2, then of 3, ranks once per test module and closes it after
+name.  ``ranks`` forks a group of 2, then of 3, ranks (:data:`RANKS`) once per test module and closes it after
 the module's last test, checking that no worker process and no shared memory outlives it.
 """
 
@@ -23,8 +23,11 @@ from lasagne_testutil import assert_no_workers_left, own_entries  # noqa: E402
 import synkhronos as synk  # noqa: E402
 from synkhronos.runtime import current  # noqa: E402
 
+RANKS = [int(n) for n in os.environ.get("SYNK_TEST_RANKS", "2,3").split(",")]
+"""The group sizes ``ranks`` forks: 2 and 3, or those of ``SYNK_TEST_RANKS`` (e.g. ``2``)."""
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+
+@pytest.fixture(scope="module", params=RANKS, ids=[f"{n}ranks" for n in RANKS])
 def ranks(request):
     """A forked CPU-mode group of ``request.param`` ranks for the whole module; yields its size."""
     n = synk.fork(request.param, use_gpu=False)

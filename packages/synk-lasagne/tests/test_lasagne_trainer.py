@@ -1,9 +1,12 @@
 """The Trainer in 2 and 3 CPU ranks: epochs over Data (batch= indices) and over scattered data
 (batch_s) equal single-process training on the same batches; validation over the whole set with
-num_slices; checkpoints restore parameters and optimizer state in every rank; early stopping."""
+num_slices; checkpoints restore parameters and optimizer state in every rank, by name; a resumed
+run equals an uninterrupted one bit for bit and keeps the best checkpoint; early stopping;
+schedules reach every rank; callbacks, CSV and TensorBoard logs."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -12,8 +15,21 @@ import pytensor.tensor as pt
 import pytest
 from lasagne_testutil import FAST, TIMEOUT, NumpyRule, Reference, initial_params, loss_graph, make_data, shared_params
 
+import synk_lasagne.trainer
 import synkhronos as synk
-from synk_lasagne import Trainer, load_checkpoint, make_eval_function, make_train_function, save_checkpoint, updates
+from synk_lasagne import (
+    Callback,
+    CSVLogger,
+    Schedule,
+    TensorBoardLogger,
+    Trainer,
+    load_checkpoint,
+    make_eval_function,
+    make_train_function,
+    save_checkpoint,
+    set_in_every_rank,
+    updates,
+)
 
 pytestmark = pytest.mark.timeout(TIMEOUT)
 
@@ -177,7 +193,7 @@ def test_checkpoint_restores_params_and_state_in_every_rank(ranks, data, tmp_pat
     synk.set_value(ranks - 1, params[0], np.full((5, 4), 9.0))  # one rank drifts: loading must fix it too
 
     meta = trainer.load(path)
-    assert meta["note"] == "after 2 steps" and meta["names"][0] == "W1"
+    assert meta["note"] == "after 2 steps" and meta["names"][0] == "param/W1"
     now = synk.gather(train.variables, nd_up=1)
     for var, s, n in zip(train.variables, saved, now):
         np.testing.assert_array_equal(n, s, err_msg=f"{var.name} not restored in every rank")
@@ -189,15 +205,25 @@ def test_checkpoint_restores_params_and_state_in_every_rank(ranks, data, tmp_pat
         np.testing.assert_allclose(n, c, rtol=1e-12, err_msg=var.name)
 
 
-def test_checkpoint_of_other_variables_is_refused(ranks, tmp_path):
-    a = pytensor.shared(np.zeros(3), name="a")
-    b = pytensor.shared(np.zeros((2, 2)), name="b")
+def test_checkpoint_matches_by_name_and_refuses_what_does_not_match(ranks, tmp_path):
+    a = pytensor.shared(np.arange(3.0), name="a")
+    b = pytensor.shared(np.ones((2, 2)), name="b")
     path = tmp_path / "ab.npz"
     save_checkpoint(path, [a, b], epoch=4)
-    with pytest.raises(ValueError, match="holds 2 variables"):
-        load_checkpoint(path, [a])
+    a.set_value(np.zeros(3))
+    b.set_value(np.zeros((2, 2)))
+    assert load_checkpoint(path, [b, a])["epoch"] == 4  # by name, in any order
+    np.testing.assert_array_equal(a.get_value(), np.arange(3.0))
+    np.testing.assert_array_equal(b.get_value(), np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"no values for \['c'\]"):
+        load_checkpoint(path, [pytensor.shared(np.zeros(3), name="c")])
     with pytest.raises(ValueError, match="shape"):
-        load_checkpoint(path, [b, a])
+        load_checkpoint(path, [pytensor.shared(np.zeros(4), name="a")])
+    twins = [pytensor.shared(np.zeros(2), name="W"), pytensor.shared(np.zeros(2), name="W")]
+    with pytest.raises(ValueError, match=r"\['W'\] are used by more than one variable.*name="):
+        save_checkpoint(tmp_path / "w.npz", twins)
+    with pytest.raises(ValueError, match="no name"):
+        save_checkpoint(tmp_path / "w.npz", [pytensor.shared(np.zeros(2))])
 
 
 def test_early_stopping_restores_the_best_epoch(ranks, data, tmp_path):
@@ -213,8 +239,8 @@ def test_early_stopping_restores_the_best_epoch(ranks, data, tmp_path):
     assert [h["epoch"] for h in history] == [1, 2, 3] and trainer.stopped_early
     assert history[1]["valid_loss"] < history[0]["valid_loss"]
     assert trainer.best_epoch == 1
-    with np.load(path) as f:
-        best = [f[f"v{i}"] for i in range(len(train.variables))]
+    with np.load(path) as f:  # the best epoch's state, beside it the last one's
+        best = [f[f"param/{v.name}"] for v in train.params] + [f[f"optimizer/{v.name}"] for v in train.state]
     for var, b, now in zip(train.variables, best, synk.gather(train.variables, nd_up=1)):
         for r in range(ranks):
             np.testing.assert_array_equal(now[r], b, err_msg=f"{var.name} in rank {r}")
@@ -271,3 +297,144 @@ def test_progress_bar_and_epoch_summary(ranks, data, capsys):
     assert "samples/s" in captured.out
     assert "epoch 1" in captured.err and "sample" in captured.err  # tqdm's bar, on stderr
     assert 0 <= record["train_accuracy"] <= 1
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.calls = []
+
+    def on_epoch_begin(self, trainer, epoch):
+        self.calls.append(("epoch", epoch))
+
+    def on_step_end(self, trainer, step, outputs):
+        self.calls.append(("step", step, sorted(outputs)))
+
+    def on_epoch_end(self, trainer, record):
+        self.calls.append(("end", record["epoch"]))
+
+
+def scheduled_run(data, path):
+    """A model trained with Adam and a learning rate that halves every epoch (a Schedule), epoch 1
+    made the best (valid_loss watched with mode="max": the loss falls), checkpoints at ``path``."""
+    xs, ys, params, loss, _ = model()
+    lr = pytensor.shared(np.float64(0.05), name="learning_rate")
+    train = make_train_function(loss, params, [xs, ys], updates.adam, learning_rate=lr, function_kwargs=FAST)
+    evaluate = make_eval_function({"loss": loss}, [xs, ys], function_kwargs=FAST)
+    recorder = Recorder()
+    trainer = quiet(train, eval_fn=evaluate, batch_size=10, seed=3, monitor="valid_loss", mode="max",
+                    checkpoint=path, callbacks=[Schedule(lr, lambda epoch: 0.05 * 0.5 ** (epoch - 1)), recorder,
+                                                CSVLogger(path.parent / "log.csv")])
+    return trainer, train, lr, recorder
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one_and_keeps_the_best_checkpoint(ranks, data, tmp_path):
+    """4 epochs in one run, against 2 epochs, a new Trainer that loads the last checkpoint, and 2
+    more: the same parameters and optimizer state in every rank (bit for bit), the same records,
+    and the best checkpoint (epoch 1) is not replaced by the worse epochs 3 and 4."""
+    _, _, x_data, y_data = data
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    whole, whole_fn, _, _ = scheduled_run(data, tmp_path / "one" / "best.npz")
+    whole.fit((x_data, y_data), epochs=4, valid=(x_data, y_data), restore_best=False)
+
+    first, _, _, _ = scheduled_run(data, tmp_path / "two" / "best.npz")
+    first.fit((x_data, y_data), epochs=2, valid=(x_data, y_data))  # ends restoring epoch 1: the last file has epoch 2
+    assert first.last_checkpoint == str(tmp_path / "two" / "best.last.npz")
+    resumed, resumed_fn, lr, recorder = scheduled_run(data, tmp_path / "two" / "best.npz")
+    meta = resumed.load(first.last_checkpoint)
+    assert meta["epoch"] == 2 and resumed.best_epoch == 1 and resumed.step == 10
+    resumed.fit((x_data, y_data), epochs=2, valid=(x_data, y_data), restore_best=False)
+
+    for var, a, b in zip(whole_fn.variables, synk.gather(whole_fn.variables, nd_up=1),
+                         synk.gather(resumed_fn.variables, nd_up=1)):
+        for r in range(ranks):
+            assert np.array_equal(a[r], b[r]), f"{var.name} in rank {r} differs from the uninterrupted run"
+    timing = {"seconds", "samples_per_s", "valid_seconds", "warmup_seconds"}
+    strip = [{k: v for k, v in h.items() if k not in timing} for h in resumed.history]
+    assert strip == [{k: v for k, v in h.items() if k not in timing} for h in whole.history]
+    assert [h["learning_rate"] for h in resumed.history] == [0.05, 0.025, 0.0125, 0.00625]
+    np.testing.assert_array_equal(synk.gather(lr, nd_up=1), np.full(ranks, 0.00625))  # in every rank
+    assert recorder.calls[0] == ("epoch", 3) and recorder.calls[1] == ("step", 11, ["loss"])
+    assert recorder.calls[-1] == ("end", 4) and sum(c[0] == "step" for c in recorder.calls) == 10
+
+    for directory in ("one", "two"):  # the best file: epoch 1's state, though epochs 2-4 came after
+        with np.load(tmp_path / directory / "best.npz") as best, \
+                np.load(tmp_path / directory / "best.last.npz") as last:
+            best_meta, last_meta = json.loads(str(best["__meta__"])), json.loads(str(last["__meta__"]))
+            assert (best_meta["epoch"], best_meta["best_epoch"], last_meta["epoch"]) == (1, 1, 4)
+            np.testing.assert_array_equal(best["param/W1"], last["best/param/W1"])
+    assert resumed.best_epoch == whole.best_epoch == 1
+    assert resumed.restore_best_epoch()  # the best values came with the checkpoint
+    with np.load(tmp_path / "two" / "best.npz") as best:
+        np.testing.assert_array_equal(resumed_fn.params[0].get_value(), best["param/W1"])
+    rows = (tmp_path / "two" / "log.csv").read_text().splitlines()
+    assert rows[0].startswith("epoch,train_loss") and [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4"]
+
+
+def test_set_value_in_the_master_changes_one_rank_and_set_in_every_rank_all(ranks, data):
+    _, _, x_data, y_data = data
+    xs, ys, params, loss, _ = model()
+    lr = pytensor.shared(np.float64(0.1), name="lr")
+    train = make_train_function(loss, params, [xs, ys], updates.sgd, learning_rate=lr, function_kwargs=FAST)
+    train(x_data, y_data, batch=np.arange(10))
+    lr.set_value(np.float64(0.5))  # the master's copy only
+    np.testing.assert_array_equal(synk.gather(lr, nd_up=1), [0.5] + [0.1] * (ranks - 1))
+    set_in_every_rank(lr, 0.25)
+    np.testing.assert_array_equal(synk.gather(lr, nd_up=1), np.full(ranks, 0.25))
+    with pytest.raises(ValueError, match="shape"):
+        set_in_every_rank(lr, [1.0, 2.0])
+    steps = Schedule(lr, lambda step: 0.1 / step, per="step")
+    trainer = quiet(train, batch_size=15, callbacks=[steps])
+    record = trainer.fit((x_data, y_data), epochs=1)[0]
+    assert trainer.step == 3 and record["lr"] == pytest.approx(0.1 / 3)
+    np.testing.assert_array_equal(synk.gather(lr, nd_up=1), np.full(ranks, 0.1 / 3))
+    gathered = synk.gather(params, nd_up=1)
+    for var, g in zip(params, gathered):  # the ranks stayed together
+        for r in range(1, ranks):
+            assert np.array_equal(g[r], g[0]), f"{var.name} in rank {r}"
+
+
+def test_trainer_save_refuses_parameters_of_the_same_name(ranks, data, tmp_path):
+    xs, ys, params, loss, _ = model()
+    for var in params:
+        var.name = "W" if var.ndim == 2 else "b"  # Lasagne's unnamed layers: W, b, W, b
+    train = make_train_function(loss, params, [xs, ys], updates.sgd, learning_rate=0.1, function_kwargs=FAST)
+    with pytest.raises(ValueError, match=r"\['W', 'b'\] are used by more than one variable"):
+        quiet(train).save(tmp_path / "x.npz")
+    with pytest.raises(ValueError, match=r"save_checkpoint, not Trainer\.save"):
+        save_checkpoint(tmp_path / "y.npz", [pytensor.shared(np.zeros(2), name="z")])
+        quiet(train).load(tmp_path / "y.npz")
+
+
+def test_steps_that_compile_are_timed_apart_and_durations_never_read_zero(ranks, data):
+    _, _, x_data, y_data = data
+    xs, ys, params, loss, _ = model()
+    train = make_train_function(loss, params, [xs, ys], updates.sgd, learning_rate=0.1, function_kwargs=FAST)
+    trainer = quiet(train, batch_size=10)  # 4 steps of 10 rows, 1 of 5: two sizes, each compiles once
+    one, two = trainer.fit((x_data, y_data), epochs=2)
+    assert 0 < one["warmup_seconds"] < one["seconds"] and "warmup_seconds" not in two
+    assert one["samples_per_s"] == pytest.approx((45 - 15) / (one["seconds"] - one["warmup_seconds"]))
+    assert synk_lasagne.trainer._duration(0.0004) == "0.4 ms"
+    assert "0.00 s" not in synk_lasagne.trainer._summary({**two, "seconds": 0.001})
+
+
+def test_tensorboard_logger_writes_scalars_or_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(synk_lasagne.trainer, "_summary_writer", lambda: None)
+    with pytest.raises(ImportError, match="pip install tensorboardX"):
+        TensorBoardLogger(tmp_path)
+
+    class Writer:
+        def __init__(self, logdir):
+            self.logdir, self.scalars = logdir, []
+
+        def add_scalar(self, tag, value, step):
+            self.scalars.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(synk_lasagne.trainer, "_summary_writer", lambda: Writer)
+    logger = TensorBoardLogger(tmp_path)
+    logger.on_epoch_end(None, {"epoch": 3, "train_loss": 0.5, "samples": 10})
+    assert logger.writer.logdir == str(tmp_path)
+    assert logger.writer.scalars == [("train_loss", 0.5, 3), ("samples", 10.0, 3)]

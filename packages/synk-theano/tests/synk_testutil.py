@@ -48,8 +48,11 @@ def max_ranks() -> int:
 
 def rank_counts() -> list[int]:
     """The group sizes that the ``ranks`` fixture forks: 2 and 3, as far as the GPUs go (at least 2:
-    GPU mode on fewer than 2 GPUs then fails at fork, saying so)."""
-    return [n for n in (2, 3) if n <= max_ranks()] or [2]
+    GPU mode on fewer than 2 GPUs then fails at fork, saying so); ``SYNK_TEST_RANKS`` (e.g. ``2``,
+    or ``2,3``) chooses among them (the noxfile's pass on an older interpreter forks 2 only)."""
+    chosen = os.environ.get("SYNK_TEST_RANKS", "").strip()
+    sizes = [int(n) for n in chosen.split(",")] if chosen else [2, 3]
+    return [n for n in sizes if n <= max_ranks()] or [2]
 
 
 # --- processes and shared memory ------------------------------------------------------------------

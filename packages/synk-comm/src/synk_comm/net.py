@@ -4,9 +4,9 @@ Within a host, a group is what :func:`synk_comm.start` makes (lock-step over POS
 data through shared memory).  Between hosts, this module relays the master's commands:
 
 * The **master** (the user's process, on node 0) binds a :class:`Hub` (a ZeroMQ ROUTER socket on
-  ``tcp://*:PORT``) and drives a :class:`SpanGroup`: its own host's group (node 0's workers) and one
-  :class:`Peer` per other host.  A :class:`SpanGroup` offers the master's side of a
-  :class:`~synk_comm.Group` (``command``, ``run``, ``replies``, ``scratch``, ``barrier``,
+  ``tcp://ADDRESS:PORT``, the interface it is given) and drives a :class:`SpanGroup`: its own
+  host's group (node 0's workers) and one :class:`Peer` per other host.  A :class:`SpanGroup`
+  offers the master's side of a :class:`~synk_comm.Group` (``command``, ``run``, ``replies``, ``scratch``, ``barrier``,
   ``gather_object``, ``all_gather``, ``all_reduce``, ``close``), with the ranks of every host: node
   0's workers first, then each other node's in node order.
 * On every other host a **node agent** (:class:`Agent`, a DEALER socket connected to the hub)
@@ -21,6 +21,26 @@ hosts go through each host's master (shared memory within the host, one array pe
 pyzmq); fast collectives across hosts belong to an existing distributed runtime (synkhronos' engine:
 JAX's, NCCL across hosts on GPU, gloo on CPU).  Messages are pickles (protocol 5, numpy arrays as
 out-of-band frames: no copy into the pickle).
+
+Who may talk to whom: one secret per run
+    Every message between the master and the agents carries an HMAC-SHA256 of its bytes under the
+    run's secret (:func:`run_secret`: the ``secret`` argument, else ``SYNK_RUN_SECRET``; every host
+    of the run has the same one), of the sender's (or the recipient's) ZeroMQ identity and of a
+    sequence number.  A receiver checks it (:func:`hmac.compare_digest`) *before* anything is
+    unpickled: a message without this run's signature, or one already seen (a replay), is dropped
+    unread, and logged once per source address.  So a process that can reach the port but does not
+    know the secret cannot run code in the master or an agent (a pickle is code), nor pose as a
+    host, nor keep a lost host alive with heartbeats (they are signed too).  Not protected: the
+    bytes are signed, not encrypted (someone who can read the network reads the data), and a flood
+    of messages costs the receiver the time to check them.
+
+    Why an HMAC rather than ZeroMQ's CURVE: CURVE needs a libzmq built with libsodium (pyzmq's own
+    wheels have it, ``zmq.has("curve")``; distribution and source builds may not), and it proves
+    nothing about the client by itself: the master would need a ZAP authenticator thread holding
+    the allowed client keys, and every host a key pair handed out beforehand.  An HMAC needs one
+    shared string and works with any libzmq; its cost is one SHA-256 pass over each message on each
+    side (about 1-2 GB/s per core with the CPU's SHA extensions), against CURVE's encryption of
+    every byte.
 
 Relay hooks (:func:`relay`) let a framework rewrite a command for another host: the master's hook
 gives each host its own payload and extra data (e.g. the input rows its ranks read), the agent's
@@ -39,9 +59,10 @@ Failure, within :data:`HOST_TIMEOUT_S` (3 s) and no hang
 
 Example
 -------
-The master's side; each other host runs ``Agent(address, node, nproc).serve()``.
+The master's side; each other host runs ``Agent(address, node, nproc).serve()``, every process
+with the same ``SYNK_RUN_SECRET``.
 
->>> hub = Hub("tcp://*:29500")                                 # doctest: +SKIP
+>>> hub = Hub("tcp://10.0.0.1:29500")                          # doctest: +SKIP
 >>> group = SpanGroup.start(hub, nnodes=2, nproc=2)              # doctest: +SKIP
 """
 
@@ -50,10 +71,13 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import hmac
 import logging
 import os
 import pickle
+import secrets
 import socket
+import struct
 import sys
 import threading
 import time
@@ -68,7 +92,8 @@ from synk_comm.errors import GroupBrokenError, HostLostError, RemoteError, Worke
 from synk_comm.ops import ReduceOp, as_op, identity
 from synk_comm.shm_collectives import _reduce_into
 
-__all__ = ["Agent", "HEARTBEAT_S", "HOST_TIMEOUT_S", "Hub", "Peer", "SpanGroup", "relay"]
+__all__ = ["Agent", "HEARTBEAT_S", "HOST_TIMEOUT_S", "Hub", "Peer", "SECRET_ENV", "SpanGroup", "new_secret", "relay",
+           "run_secret"]
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +111,115 @@ def connect_timeout() -> float:
     return float(os.environ.get("SYNK_CONNECT_TIMEOUT_S", "") or CONNECT_TIMEOUT_S)
 CLOSE_TIMEOUT_S = 10.0
 POLL_S = 0.05
-PROTOCOL = 1
+PROTOCOL = 2
+SECRET_ENV = "SYNK_RUN_SECRET"
+"""The environment variable holding the run's secret (the same on every host of the run)."""
+MIN_SECRET_BYTES = 16
+
+
+def new_secret() -> str:
+    """A fresh secret for a run: 64 hexadecimal digits (256 random bits)."""
+    return secrets.token_hex(32)
+
+
+def run_secret(secret: str | bytes | None = None) -> bytes:
+    """The run's secret: ``secret`` if given, else the ``SYNK_RUN_SECRET`` environment variable.
+
+    Raises
+    ------
+    ValueError
+        If there is none, or it is shorter than 16 bytes (say what to set).
+    """
+    value = os.environ.get(SECRET_ENV, "") if secret is None else secret
+    key = value.encode() if isinstance(value, str) else bytes(value)
+    if len(key) < MIN_SECRET_BYTES:
+        what = "is not set" if not key else f"has {len(key)} bytes, fewer than {MIN_SECRET_BYTES}"
+        raise ValueError(f"a run over several hosts needs a secret shared by its hosts, and {SECRET_ENV} {what}: "
+                         f"set it to the same random value on every host, e.g. `export {SECRET_ENV}=$(python -c "
+                         "'import secrets; print(secrets.token_hex(32))')` before starting the launchers "
+                         "(srun passes the environment on)")
+    return key
+
+
+_TAG = struct.Struct(">Q")
+_MAC_BYTES = 32
+
+
+def _view(frame: Any) -> memoryview:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+
+
+class _Seal:
+    """HMAC-SHA256 signatures of messages, with a sequence number per sender against replays.
+
+    A sealed message is ``[tag, *frames]``, ``tag`` = the sequence number (8 bytes) + the HMAC of
+    (the party's label, the number, each frame with its length).  The label is the sender's ZeroMQ
+    identity (agent to master) or ``b"to:" +`` the recipient's (master to agent): a message signed
+    for one party is refused by another.
+    """
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.sent = 0
+        self.seen: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    def _mac(self, label: bytes, seq: bytes, frames: Sequence[Any]) -> bytes:
+        h = hmac.new(self.key, digestmod="sha256")
+        h.update(_TAG.pack(len(label)))
+        h.update(label)
+        h.update(seq)
+        for frame in frames:
+            view = _view(frame)
+            h.update(_TAG.pack(view.nbytes))
+            h.update(view)
+        return h.digest()
+
+    def seal(self, label: bytes, frames: list[Any]) -> list[Any]:
+        with self._lock:
+            self.sent += 1
+            seq = _TAG.pack(self.sent)
+        return [seq + self._mac(label, seq, frames), *frames]
+
+    def open(self, label: bytes, frames: Sequence[Any]) -> Sequence[Any] | None:
+        """The frames after the tag if the tag is this run's and new; None otherwise (nothing read)."""
+        if not frames:
+            return None
+        tag = bytes(_view(frames[0]))
+        if len(tag) != _TAG.size + _MAC_BYTES:
+            return None
+        seq, body = tag[:_TAG.size], frames[1:]
+        if not hmac.compare_digest(tag[_TAG.size:], self._mac(label, seq, body)):
+            return None
+        number = _TAG.unpack(seq)[0]
+        if number <= self.seen.get(label, 0):
+            return None  # a replay
+        self.seen[label] = number
+        return body
+
+
+class _Refusals:
+    """Messages dropped for a missing or wrong signature: logged once per source address."""
+
+    LIMIT = 1000
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.sources: set[str] = set()
+        self.count = 0
+
+    def __call__(self, frames: Sequence[Any]) -> None:
+        self.count += 1
+        source = "an unknown address"
+        with contextlib.suppress(Exception):
+            source = str(frames[-1].get("Peer-Address"))
+        if source in self.sources or len(self.sources) >= self.LIMIT:
+            log.debug("synk_comm.net: %s dropped another unsigned message from %s", self.where, source)
+            return
+        self.sources.add(source)
+        log.warning("synk_comm.net: %s dropped a message from %s without this run's signature, unread: a "
+                    "process outside the run, or a host started with another %s (further ones from there are "
+                    "dropped silently)", self.where, source, SECRET_ENV)
 
 MasterHook = Callable[["SpanGroup", "Peer", Any], tuple[Any, Any]]
 AgentHook = Callable[["Agent", Any, Any], Any]
@@ -171,16 +304,31 @@ class Hub:
     Parameters
     ----------
     address : str
-        Where to bind, e.g. ``tcp://*:29500``.
+        Where to bind: the interface the agents reach, e.g. ``tcp://10.0.0.1:29500`` (``tcp://*:PORT``,
+        every interface, works but exposes the port wherever the host is reachable).
+    secret : str or bytes, optional
+        The run's secret (default: :func:`run_secret`, ``SYNK_RUN_SECRET``): every message is signed
+        with it and messages without it are dropped unread.
+
+    Raises
+    ------
+    ValueError
+        Without a secret (:func:`run_secret`).
+    OSError
+        If the address cannot be bound.
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, secret: str | bytes | None = None) -> None:
         zmq = _zmq()
         self.address = address
+        self._seal = _Seal(run_secret(secret))
+        self._refused = _Refusals("the master")
         self.context = zmq.Context()
         self.sock = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if address.startswith("tcp://["):
+            self.sock.setsockopt(zmq.IPV6, 1)
         try:
             self.sock.bind(address)
         except zmq.ZMQError as exc:
@@ -201,7 +349,7 @@ class Hub:
     def send(self, peer: Peer, obj: Any) -> None:
         zmq = _zmq()
         try:
-            self.sock.send_multipart([peer.ident, *_pack(obj)], copy=False)
+            self.sock.send_multipart([peer.ident, *self._seal.seal(b"to:" + peer.ident, _pack(obj))], copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: its connection is gone
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
@@ -215,13 +363,17 @@ class Hub:
             wait_ms = 0
             frames = self.sock.recv_multipart(copy=False)
             ident = bytes(frames[0].bytes)
+            body = self._seal.open(ident, frames[1:])
+            if body is None:  # not from this run: never unpickled
+                self._refused(frames)
+                continue
             now = time.monotonic()
             if ident.endswith(b".hb"):
                 peer = self.peers.get(ident[:-3])
                 if peer is not None:
                     peer.last_seen = now
                 continue
-            msg = _unpack(frames[1:])
+            msg = _unpack(body)
             got = True
             if msg[0] == "hello":
                 _, node, host, nproc, pid, protocol = msg
@@ -652,11 +804,23 @@ class Agent:
         ``start(spec) -> Group`` starts this host's group from the master's fork message (default:
         :func:`synk_comm.start` with its ``env``, ``imports``, ``scratch_size``, ``spin_us``); a
         framework binding passes its own (devices, thread counts of this host).
+    secret : str or bytes, optional
+        The run's secret, the master's (default: :func:`run_secret`, ``SYNK_RUN_SECRET``).
+
+    Raises
+    ------
+    ValueError
+        Without a secret (:func:`run_secret`).
     """
 
     def __init__(self, address: str, node: int, nproc: int, host: str | None = None,
-                 start: Callable[[dict[str, Any]], group_mod.Group] | None = None) -> None:
+                 start: Callable[[dict[str, Any]], group_mod.Group] | None = None, *,
+                 secret: str | bytes | None = None) -> None:
         self.address = address
+        key = run_secret(secret)
+        self._seal = _Seal(key)
+        self._beat_seal = _Seal(key)
+        self._refused = _Refusals(f"node {node}'s agent")
         self.node = node
         self.nproc = nproc
         self.host = host or socket.gethostname()
@@ -676,6 +840,7 @@ class Agent:
         zmq = _zmq()
         self.context = zmq.Context()
         ident = f"node{self.node}-{os.getpid()}".encode()
+        self.ident = ident
         self.sock = self.context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, ident)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -703,12 +868,21 @@ class Agent:
         try:
             while not self._stop.wait(HEARTBEAT_S):
                 with contextlib.suppress(zmq.Again):
-                    sock.send(b"hb", zmq.NOBLOCK)
+                    sock.send_multipart(self._beat_seal.seal(ident, []), zmq.NOBLOCK)
         finally:
             sock.close(0)
 
     def _send(self, obj: Any) -> None:
-        self.sock.send_multipart(_pack(obj), copy=False)
+        self.sock.send_multipart(self._seal.seal(self.ident, _pack(obj)), copy=False)
+
+    def _recv(self) -> Any | None:
+        """The master's next message (unpickled once its signature is checked), None for one dropped."""
+        frames = self.sock.recv_multipart(copy=False)
+        body = self._seal.open(b"to:" + self.ident, frames)
+        if body is None:
+            self._refused(frames)
+            return None
+        return _unpack(body)
 
     def _poll(self, timeout: float) -> Any | None:
         """The next message of the current group (or a control message), None after ``timeout``."""
@@ -725,13 +899,13 @@ class Agent:
                 elif event == zmq.EVENT_DISCONNECTED and self._connected:
                     # The master's last words may have come with the end of its connection: read them first.
                     while self.sock.poll(0):
-                        msg = _unpack(self.sock.recv_multipart(copy=False))
-                        if msg[0] == "shutdown":
+                        msg = self._recv()
+                        if msg is not None and msg[0] == "shutdown":
                             return msg
                     raise MasterLostError(f"the connection to the master at {self.address} dropped")
             if self.sock in events:
-                msg = _unpack(self.sock.recv_multipart(copy=False))
-                if msg[0] in ("shutdown", "fork") or msg[1] == self.epoch:
+                msg = self._recv()
+                if msg is not None and (msg[0] in ("shutdown", "fork") or msg[1] == self.epoch):
                     return msg
                 continue  # a late message of an older group
             if time.monotonic() >= deadline:
@@ -938,7 +1112,8 @@ def _default_start(spec: dict[str, Any]) -> group_mod.Group:
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - synkhronos.launch is the CLI
-    """``python -m synk_comm.net ADDRESS NODE NPROC``: a bare agent (framework-free handlers)."""
+    """``python -m synk_comm.net ADDRESS NODE NPROC``: a bare agent (framework-free handlers; the
+    run's secret from ``SYNK_RUN_SECRET``)."""
     args = list(sys.argv[1:] if argv is None else argv)
     return Agent(args[0], int(args[1]), int(args[2])).serve()
 

@@ -21,11 +21,12 @@ Update rules (:mod:`synk_lasagne.updates`)
     :func:`~synk_lasagne.updates.sgd`, ``momentum``, ``nesterov_momentum``, ``apply_momentum``,
     ``apply_nesterov_momentum``, ``adagrad``, ``rmsprop``, ``adadelta``, ``adam``, ``adamax``,
     ``amsgrad``, ``norm_constraint``, ``total_norm_constraint`` -> :class:`RuleUpdates`
-Training (:mod:`synk_lasagne.training`)
+Training (:mod:`synk_lasagne.training`, :mod:`synk_lasagne.trainer`)
     :func:`make_train_function` -> :class:`TrainFunction` (one step per call),
     :func:`make_eval_function` -> :class:`EvalFunction` (named metrics), :class:`Trainer`
-    (epochs, validation, progress bar, checkpoints, early stopping), :func:`save_checkpoint`,
-    :func:`load_checkpoint`
+    (epochs, validation, progress bar, checkpoints, early stopping, exact resume), its callbacks
+    :class:`Schedule`, :class:`CSVLogger`, :class:`TensorBoardLogger`, :func:`set_in_every_rank`
+    (a shared variable's value in every rank), :func:`save_checkpoint`, :func:`load_checkpoint`
 Data (:mod:`synk_lasagne.mnist`)
     MNIST IDX files, or scikit-learn's digits (extra ``synk-lasagne[mnist]``)
 
@@ -47,20 +48,23 @@ Example
 from typing import Any
 
 from synk_lasagne import mnist, updates
-from synk_lasagne.training import (
-    EvalFunction,
+from synk_lasagne.trainer import (
+    Callback,
+    CSVLogger,
+    Schedule,
+    TensorBoardLogger,
     Trainer,
-    TrainFunction,
     load_checkpoint,
-    make_eval_function,
-    make_train_function,
     save_checkpoint,
+    set_in_every_rank,
 )
+from synk_lasagne.training import EvalFunction, TrainFunction, make_eval_function, make_train_function
 from synk_lasagne.updates import RuleUpdates
 
-__all__ = ["EvalFunction", "RuleUpdates", "TrainFunction", "Trainer", "conv", "init", "layers", "load_checkpoint",
+__all__ = ["CSVLogger", "Callback", "EvalFunction", "RuleUpdates", "Schedule", "TensorBoardLogger", "TrainFunction",
+           "Trainer", "conv", "init", "layers", "load_checkpoint",
            "make_eval_function", "make_train_function", "mnist", "nonlinearities", "objectives", "pool", "random",
-           "regularization", "save_checkpoint", "updates"]
+           "regularization", "save_checkpoint", "set_in_every_rank", "updates"]
 
 _LAZY = {"conv", "init", "layers", "nonlinearities", "objectives", "pool", "random", "regularization"}
 """Submodules imported on first use (``synk_lasagne.layers``...): importing synk_lasagne stays light."""

@@ -197,13 +197,6 @@ def enable_x64_if_float64() -> None:
     jax.config.update("jax_enable_x64", pytensor.config.floatX == "float64")
 
 
-def quiet_x64_truncation() -> None:
-    """Without x64 (floatX float32), JAX warns at each trace that a float64 accumulator or int64
-    index is computed in 32 bits: that is the point (float32 models compute in float32, as in
-    PyTensor's default mode's float32 kernels), so CPU mode does not show it."""
-    warnings.filterwarnings("ignore", message="Explicitly requested dtype .* is not available", category=UserWarning)
-
-
 def _group_errors() -> tuple[type[BaseException], ...]:
     from synk_comm.errors import GroupAborted, GroupBrokenError, WorkerDiedError, WorkerError
 

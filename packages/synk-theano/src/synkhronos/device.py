@@ -141,13 +141,13 @@ class CpuDevice(Device):
         self.jax_mode: Any = "JAX"
         """The mode of this rank's JAX-compiled functions (:func:`synkhronos.blas.jax_mode`)."""
         if backend == "jax":
-            from synkhronos import blas, cpu
+            from synkhronos import blas, cpu, quiet
 
             cpu.use_cpu_platform()
             self.inline = one_core and cpu.compute_on_calling_thread()
             cpu.enable_x64_if_float64()
             cpu.backport_jax_arange()
-            cpu.quiet_x64_truncation()
+            quiet.request_canonical_dtypes()  # float32 work asks JAX for no float64
             self.jax_mode = blas.jax_mode(one_core)
 
     def compile_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

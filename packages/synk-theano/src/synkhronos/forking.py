@@ -57,7 +57,8 @@ def gpu_count() -> int:
 
 def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank: int = 0,
          profile_workers: bool = False, max_n_var: int = 1000, max_dim: int = 16,
-         engine: str | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> int:
+         engine: str | None = None, precision: str = "default",
+         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> int:
     """Start the ranks: the master (this process) and ``n_parallel - 1`` workers.
 
     Parameters
@@ -94,6 +95,10 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         master glues them over shared memory (CPU mode's engine: its shared-memory collectives
         beat JAX's on the CPU; in GPU mode the switch back to the per-rank engine, see
         :data:`synkhronos.engine.ENGINES`).
+
+    precision : {"default", "highest", "bf16"}
+        The precision policy of every function built until :func:`close` that does not give its
+        own (:func:`synkhronos.function`'s ``precision``; see :mod:`synkhronos.precision`).
     max_in_flight : int
         The most calls :meth:`Function.submit <synkhronos.function.Function.submit>` keeps pending
         (default 2); ``submit`` blocks while that many are (see :mod:`synkhronos.inflight`).
@@ -138,6 +143,9 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         raise ValueError(f"max_n_var must be >= 1, got {max_n_var}")
     if max_dim < 1:
         raise ValueError(f"max_dim must be >= 1, got {max_dim}")
+    from synkhronos import precision as precisions
+
+    precision = precisions.check(precision)
     window = Window(max_in_flight)  # checks max_in_flight before anything starts
     from synkhronos import engine as engines
 
@@ -155,6 +163,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     if engine == "jax":
         rt = _fork_engine(n_parallel, use_gpu, env, profile_workers, max_n_var)
         rt.max_dim = max_dim
+        rt.precision = precision
         rt.window = window
         set_current(rt)
         log.info("synkhronos: %d ranks on the JAX engine (%s) ready in %.2f s", n_parallel,
@@ -199,6 +208,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
 
     rt = Runtime(group, device, driver=RanksEngine())
     rt.max_dim = max_dim
+    rt.precision = precision
     rt.window = window
     if not use_gpu and n_parallel > 1:
         # The master computes a share too: its BLAS gets its share of the cores, like each worker's

@@ -92,6 +92,11 @@ class Function:
         return self._spec.name
 
     @property
+    def precision(self) -> str:
+        """The precision policy its products compute under (:mod:`synkhronos.precision`)."""
+        return self._spec.precision
+
+    @property
     def output_modes(self) -> list[str | None]:
         """The reduce op of each output (``None`` for gather)."""
         return [None if op == "gather" else op for op in self._spec.output_ops]
@@ -549,7 +554,7 @@ class Function:
 
 def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[Any] | None = None,
              updates: Any = None, givens: Any = None, sliceable_shareds: Sequence[Any] | None = None,
-             **kwargs: Any) -> Function:
+             precision: str | None = None, **kwargs: Any) -> Function:
     """Build a data-parallel function: the replacement for ``pytensor.function``.
 
     Parameters
@@ -568,6 +573,11 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
     givens : as in PyTensor, optional
     sliceable_shareds : list of shared variables, optional
         Shared variables that hold data (subject to ``batch_s`` and slicing).
+    precision : {"default", "highest", "bf16"}, optional
+        How the function's matrix products and convolutions compute (:mod:`synkhronos.precision`):
+        ``"default"`` XLA's default (TF32 on Hopper GPUs), ``"highest"`` strict float32, ``"bf16"``
+        bfloat16 operands accumulating in float32, everything else float32.  Default: ``fork``'s
+        ``precision``.  A policy other than ``"default"`` needs the function to compile with JAX.
     **kwargs
         Passed to ``pytensor.function`` (``mode``, ``on_unused_input``, ``name``...).
 
@@ -582,7 +592,8 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
     TypeError
         For arguments of the wrong form.
     ValueError
-        For an unknown reduce op, a scalar scattered input, a sliceable shared that the
+        For an unknown precision policy, or one that cannot apply (a ``mode`` or CPU backend
+        without JAX); for an unknown reduce op, a scalar scattered input, a sliceable shared that the
         function does not use, or an in-graph ``broadcast`` whose root is not a rank.
     """
     from pytensor.compile.sharedvalue import SharedVariable
@@ -618,10 +629,15 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
         if getattr(var.type, "ndim", 0) > rt.max_dim:
             raise ValueError(f"{describe(var)} has ndim {var.type.ndim}, more than fork(max_dim={rt.max_dim}): "
                              "fork with a larger max_dim")
+    from synkhronos import precision as precisions
+
+    policy = precisions.check(rt.precision if precision is None else precision)
+    precisions.check_backend(policy, rt.device, kwargs.get("mode"))
     name = kwargs.pop("name", None)
     spec = FunctionSpec(fid=data_registry.next_function_id(rt), name=name, inputs=inputs, bcast_inputs=bcast,
                         outputs=outs, output_ops=output_ops, single_output=single, updates=pairs,
-                        update_ops=update_ops, givens=given_pairs, sliceable=sliceable, kwargs=kwargs)
+                        update_ops=update_ops, givens=given_pairs, sliceable=sliceable, kwargs=kwargs,
+                        precision=policy)
     replica = Replica(spec, rt.device)
     if replica.has_collectives:
         from synkhronos.ops import check_group, divergent_gradients

@@ -21,7 +21,10 @@ Who does what
       :func:`synkhronos.scatter` reach each host once, only its own ranks' parts.
 
 Environment (set by the launcher on node 0)
-    ``SYNK_NNODES``, ``SYNK_NPROC_PER_NODE`` (node 0's workers), ``SYNK_COORDINATOR`` (``HOST:PORT``).
+    ``SYNK_NNODES``, ``SYNK_NPROC_PER_NODE`` (node 0's workers), ``SYNK_COORDINATOR`` (``HOST:PORT``),
+    ``SYNK_BIND_ADDRESS`` (the interface the master binds, default the coordinator's host).  On
+    every host: ``SYNK_RUN_SECRET``, the run's secret (:func:`synk_comm.net.run_secret`): the master
+    and the agents sign every message with it and drop, unread, what is not signed with it.
 
 Limits
     GPU mode is the same code with NCCL inside JAX; it is untested beyond one host here.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 import numpy as np
@@ -38,13 +42,15 @@ import numpy as np
 from synk_comm import net
 from synk_shm import Data, DataHandle
 
-__all__ = ["COORDINATOR_ENV", "NNODES_ENV", "NPROC_ENV", "coordinator", "launched", "start_group", "total_ranks"]
+__all__ = ["BIND_ENV", "COORDINATOR_ENV", "NNODES_ENV", "NPROC_ENV", "bind_address", "coordinator", "launched",
+           "start_group", "total_ranks"]
 
 log = logging.getLogger("synkhronos")
 
 NNODES_ENV = "SYNK_NNODES"
 NPROC_ENV = "SYNK_NPROC_PER_NODE"
 COORDINATOR_ENV = "SYNK_COORDINATOR"
+BIND_ENV = "SYNK_BIND_ADDRESS"
 DEFAULT_PORT = 29500
 
 _hub: net.Hub | None = None
@@ -85,12 +91,34 @@ def _local_ranks() -> int:
     return int(os.environ[NPROC_ENV])
 
 
+def bind_address() -> str:
+    """Where the master binds: ``tcp://IP:PORT``, the interface of ``SYNK_BIND_ADDRESS`` if set, else of
+    the coordinator's host (its name resolved here), never every interface.
+
+    Raises
+    ------
+    OSError
+        If the host name does not resolve here (say what to set).
+    """
+    host, port = split_address(os.environ[COORDINATOR_ENV])
+    host = os.environ.get(BIND_ENV) or host
+    if host.startswith("["):  # an IPv6 literal, [addr]
+        return f"tcp://{host}:{port}"
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError as exc:
+        raise OSError(f"the master binds the coordinator's host {host!r}, which does not resolve here ({exc}): "
+                      f"pass --bind with this host's address on the network the other hosts use (or set "
+                      f"{BIND_ENV})") from exc
+    return f"tcp://{ip}:{port}"
+
+
 def hub() -> net.Hub:
-    """The master's endpoint for the agents (bound on first use, kept until the process ends)."""
+    """The master's endpoint for the agents (bound on first use, kept until the process ends), signed
+    with the run's secret (``SYNK_RUN_SECRET``)."""
     global _hub
     if _hub is None or _hub.closed:
-        _, port = split_address(os.environ[COORDINATOR_ENV])
-        _hub = net.Hub(f"tcp://*:{port}")
+        _hub = net.Hub(bind_address())
     return _hub
 
 

@@ -178,7 +178,10 @@ class Replica:
                  subset: Subset) -> Any:
         import pytensor
 
+        from synkhronos import precision
+
         def build(**kwargs: Any) -> Any:
+            kwargs = precision.compile_kwargs(self.spec.precision, kwargs, self.device)  # the policy's one hook
             return pytensor.function(inputs, outputs, updates=updates, givens=givens or None, name=self.spec.name,
                                      **kwargs)
 

@@ -63,6 +63,7 @@ class Runtime:
         self.dropped: list[int] = []  # data ids the master no longer holds (sent with the next update)
         self.counter = 0  # ids of functions and Data (master)
         self.max_dim = 16  # fork(max_dim=...): the most dimensions of a function's variables
+        self.precision = "default"  # fork(precision=...): the policy of functions that give none (master)
         self.thread_limits: Any = None  # CPU mode: the master's BLAS limit (threadpoolctl), undone by close
         self.distributed: set[int] = set()  # function ids the workers have (master)
 

@@ -32,6 +32,8 @@ class FunctionSpec:
     givens: list[tuple[Any, Any]]
     sliceable: list[Any]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    precision: str = "default"
+    """How its products compute: a policy of :mod:`synkhronos.precision`."""
 
     @property
     def all_inputs(self) -> list[Any]:

@@ -23,7 +23,7 @@ Who does what
       programs of :mod:`synkhronos.replica` in the workers and the master combines the replies
       (:func:`synkhronos.engine.program.per_rank_reason` and ``fit_reason`` say which and why).
 
-Failure (evidence in ``benchmarks/probe_engine_failure.py``, summarised in the GPU guide)
+Failure (evidence in ``tests/reliability/probe_engine_failure.py``, summarised in the GPU guide)
     A worker's death (SIGKILL, segfault, OOM) is seen by the master's wait on the command, which
     polls every worker process: :class:`~synk_comm.WorkerDiedError` within a fraction of a second,
     then every other worker is told to exit and killed after half a second (a survivor may be

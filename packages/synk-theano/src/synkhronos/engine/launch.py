@@ -71,11 +71,17 @@ def join(coordinator: str, num_processes: int, process_id: int, on_gpu: bool) ->
     import pytensor
 
     if not on_gpu:
+        from synkhronos.quiet import drop_gloo_connect_lines
+
         os.environ["JAX_PLATFORMS"] = "cpu"
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        drop_gloo_connect_lines()  # gloo's "[Gloo] Rank r is connected to ..." lines on stdout
     if pytensor.config.floatX == "float64":
         jax.config.update("jax_enable_x64", True)
+    from synkhronos.quiet import request_canonical_dtypes
+
+    request_canonical_dtypes()  # float32 work asks JAX for no float64
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
                                local_device_ids=[0], initialization_timeout=INIT_TIMEOUT_S,
                                heartbeat_timeout_seconds=HEARTBEAT_S)

@@ -3,7 +3,7 @@
 ``SYNK_PROFILE_CALL=<path>`` (set before :func:`synkhronos.fork`; the workers inherit it) turns it
 on: the master and every worker record the time between consecutive marks of each call and, at
 exit, write ``<path>.<side>.json`` (``side``: ``master`` or ``rank<r>``) with each phase's median,
-10th and 90th percentile in microseconds.  ``benchmarks/profile_engine_call.py`` reads them.
+10th and 90th percentile in microseconds.  ``tools/profile_engine_call.py`` reads them.
 
 Off (the default), :data:`PHASES` is None and the call path pays one ``is None`` test per mark.
 """

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from synkhronos import precision
 from synkhronos.calls import NONE, CallPlan
 from synkhronos.engine.phases import PHASES
 from synkhronos.engine.segments import Segment, from_rows, split
@@ -271,6 +272,7 @@ class Program:
         if branches:  # the rank's branch (an int32 (1,) array); the gathered outputs' lengths
             in_specs.append(P())
             out_specs += (P(),)
+        body = precision.apply(body, spec.precision)  # the products under the function's policy
         mapped = _shard_map()(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
         self.jitted = jax.jit(mapped, donate_argnums=tuple(donate))
         self.replicated = NamedSharding(mesh, P())

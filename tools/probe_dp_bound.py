@@ -1,7 +1,7 @@
 """The most that data parallelism could give the main job's step on two cores: two independent
 processes (no communication at all), each on one core with half the batch, against the one process
 on both cores with the whole batch (diagnosis, not a benchmark of record: the main job's side-by-side
-speedup is that; figures in ``benchmarks/RESULTS.md``, issue 18).
+speedup is that; findings in the CPU guide, docs/guides/cpu.rst).
 
 Every configuration trains the main job's model and step (``examples/mnist/train_mnist.py``'s
 defaults: the 8 x 64 MLP, Adam, float32, ``batch=`` indices of the digits' training rows) as the main
@@ -21,7 +21,7 @@ steps, as the trainer's epochs of one step each run them; the median of the step
 
 Usage::
 
-    python benchmarks/probe_dp_bound.py [--cores 0,1] [--steps 400] [--rounds 3] [--as-the-job]
+    python tools/probe_dp_bound.py [--cores 0,1] [--steps 400] [--rounds 3] [--as-the-job]
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--as-the-job", action="store_true",
                         help="a validation call before each step, as the main job's epochs of one step")
     args = parser.parse_args()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from machine import two_cores
 
     a, b = two_cores(args.cores)

@@ -8,7 +8,7 @@ own share is done), ``gather``; from the workers (``probe_site/sitecustomize.py`
 waits): ``wake`` (master's go to the last worker's start) and ``work`` (the slowest worker's
 command).
 
-Usage: ``python benchmarks/probe_tiny_call.py [--ranks 2,16] [--calls 1500] CONFIG ...`` where a
+Usage: ``python tools/probe_tiny_call.py [--ranks 2,16] [--calls 1500] CONFIG ...`` where a
 CONFIG is ``name:VAR=value,VAR=value`` (``SYNK_PROBE_YIELD=0``: no sched_yield while spinning;
 ``SYNK_PROBE_MASTER_PIN=0``: the master not pinned, the workers pinned; any SYNK_* variable).
 """

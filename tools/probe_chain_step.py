@@ -1,6 +1,6 @@
 """Where the main job's data-parallel step spends its time, and what packing the parameters into
 one vector would save (diagnosis, not a benchmark of record: the main job's side-by-side speedup
-is that; figures in ``benchmarks/RESULTS.md``, issue 18).
+is that; findings in the CPU guide, docs/guides/cpu.rst).
 
 ``phases``
     Runs the main job (``examples/mnist/train_mnist.py --cpu --no-baseline``) with
@@ -23,8 +23,8 @@ is that; figures in ``benchmarks/RESULTS.md``, issue 18).
 
 Usage::
 
-    python benchmarks/probe_chain_step.py phases [--epochs 400]
-    python benchmarks/probe_chain_step.py packed [--blocks 15]
+    python tools/probe_chain_step.py phases [--epochs 400]
+    python tools/probe_chain_step.py packed [--blocks 15]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ as the best of 7 means of 5000 runs, next to the whole call and the plain PyTens
 mode.  The pieces run hot and alone, so they add up to less than the whole call (which wakes a
 worker and waits for it).
 
-Usage: ``taskset -c 0,1 python benchmarks/probe_call_pieces.py``
+Usage: ``taskset -c 0,1 python tools/probe_call_pieces.py``
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ Flat means: RSS of master + workers grows by less than 5% from start to end, and
 /dev/shm entries at the end equal those at the start.  The script prints a table, then the verdict;
 it exits with status 1 if anything grew.
 
-    python benchmarks/soak.py                # 100,000 calls (about a minute on 2 cores)
-    python benchmarks/soak.py --calls 20000  # a shorter run
-    SYNK_TEST_GPU=1 python benchmarks/soak.py --calls 20000  # GPU mode
+    python tests/reliability/soak.py                # 100,000 calls (about a minute on 2 cores)
+    python tests/reliability/soak.py --calls 20000  # a shorter run
+    SYNK_TEST_GPU=1 python tests/reliability/soak.py --calls 20000  # GPU mode
 """
 
 from __future__ import annotations
@@ -36,13 +36,11 @@ import time
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from reliability_lib import USE_GPU  # the reliability suite's switch of GPU mode (this folder)
 
 import synk_shm
 import synkhronos as synk
 from synkhronos.runtime import current
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "reliability"))
-from reliability_lib import USE_GPU  # the reliability suite's switch of GPU mode
 
 SHM_DIR = "/dev/shm"
 RSS_GROWTH_LIMIT = 0.05

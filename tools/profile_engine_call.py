@@ -1,4 +1,4 @@
-"""Where a JAX-engine call's time goes on one GPU, piece by piece (issue 17, item 3).
+"""Where a JAX-engine call's time goes on one GPU, piece by piece.
 
 Three parts, each in a fresh interpreter:
 
@@ -14,8 +14,8 @@ Three parts, each in a fresh interpreter:
             the inputs' memory registered with the GPU and without (``SYNK_PIN_INPUTS=0``).
 ``plain``   the reference: plain PyTensor JAX's tiny call.
 
-    python benchmarks/profile_engine_call.py            # on a machine with a GPU
-    python benchmarks/profile_engine_call.py --dry-run  # JAX's CPU device, small shapes
+    python tools/profile_engine_call.py            # on a machine with a GPU
+    python tools/profile_engine_call.py --dry-run  # JAX's CPU device, small shapes
 
 Run from the repository root with the packages on ``PYTHONPATH``.
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 
 def us(fn: Any, n: int) -> float:

@@ -1,6 +1,6 @@
 """What coupling two ranks costs the main job's step on two cores, in plain JAX with nothing of
-Synkhronos around it (diagnosis for issue 18, not a benchmark of record; figures in
-``benchmarks/RESULTS.md``).
+Synkhronos around it (a diagnosis, not a benchmark of record; its finding is in
+the CPU guide, docs/guides/cpu.rst).
 
 The main job's model (8 x 64 ReLU, 10 classes) and step (Adam over one flat gradient), batch 1024,
 float32, each configuration in fresh interpreters pinned to their cores, the configurations taking
@@ -27,7 +27,7 @@ turns round by round; every step timed on its own (``jax.block_until_ready``):
 
 Usage::
 
-    python benchmarks/probe_coupled_ranks.py [--cores 0,1] [--steps 400] [--rounds 3] [--spin 20000]
+    python tools/probe_coupled_ranks.py [--cores 0,1] [--steps 400] [--rounds 3] [--spin 20000]
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def child(mode: str, cores: list[int], rank: int, size: int, rows: int, steps: i
 
     def all_reduce(flat: Any) -> Any:
         # Without has_side_effect: with it, JAX orders the program's effects and every call of it
-        # costs 60-190 us more (a no-op handler; RESULTS.md, session 18); the result is used, so XLA
+        # costs 60-190 us more (a no-op handler, measured with this probe); the result is used, so XLA
         # keeps the call, and a program holds one all-reduce, so none can be merged with another
         call = jax.ffi.ffi_call("synk_probe_all_reduce_sum", jax.ShapeDtypeStruct(flat.shape, flat.dtype))
         return call(flat, base=np.int64(base), rank=np.int64(rank), size=np.int64(size),
@@ -183,6 +183,7 @@ def main() -> None:
     add_probe_arguments(parser)
     parser.add_argument("--spin", type=int, default=20000, help="pauses a wait spins before yielding its core")
     args = parser.parse_args()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from machine import two_cores
 
     a, b = two_cores(args.cores)

@@ -9,7 +9,7 @@ all-reduce of ``--floats`` float32 values (default: the flat gradient of the ben
 1024 -> 3x1024 -> 10, with its weight), after 5 calls of warm-up, and reports its median.  A
 plain jitted copy of the same array is timed in the same processes for scale.
 
-Usage: ``python benchmarks/probe_in_program_all_reduce.py [--ranks 2,4,8,16] [--floats N] [--calls 30]``
+Usage: ``python tools/probe_in_program_all_reduce.py [--ranks 2,4,8,16] [--floats N] [--calls 30]``
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--floats", type=int, default=MLP_FLOATS)
     parser.add_argument("--calls", type=int, default=30)
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from machine import cpu_model
 
     import synk_comm

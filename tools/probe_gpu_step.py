@@ -14,8 +14,8 @@ the engine's flags are ``ours``; ``SYNK_XLA_FLAGS`` carries a variant to the eng
 ``--phases`` then profiles the engine's step per rank (``SYNK_PROFILE_CALL``: where a step's host
 time goes, medians in us).  Run on 2 GPUs (``gpu/run_device.sh``'s environment)::
 
-    python benchmarks/probe_gpu_step.py [--batches 8192,16384] [--variants ours,none] [--only raw,synk,ddp]
-    python benchmarks/probe_gpu_step.py --phases
+    python tools/probe_gpu_step.py [--batches 8192,16384] [--variants ours,none] [--only raw,synk,ddp]
+    python tools/probe_gpu_step.py --phases
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from bench_gpu import WIDTHS, C, D, L, ddp_steps, in_child, synk_train_steps, synk_training
 
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"

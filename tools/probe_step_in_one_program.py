@@ -1,5 +1,5 @@
 """Would the chain's step run faster as ONE XLA program, its all-reduce a custom call into Python?
-(Diagnosis for issue 18, not a benchmark of record; figures in ``benchmarks/RESULTS.md``.)
+(A diagnosis, not a benchmark of record; its finding is in the CPU guide, docs/guides/cpu.rst.)
 
 One process, JAX on the CPU, asynchronous dispatch off (as a one-core rank): the main job's model
 (8 x 64 ReLU, 10 classes) and a rank's share of its step (512 rows), Adam over one flat gradient,
@@ -13,7 +13,7 @@ three ways, in blocks of 100 steps taking turns (medians, us):
 ``separate``     what ``synk.chain`` does in each rank without the other ranks: the gradient call,
                  a numpy sum, the update call.
 
-Run it pinned to one core, e.g. ``taskset -c 0 python benchmarks/probe_step_in_one_program.py``.
+Run it pinned to one core, e.g. ``taskset -c 0 python tools/probe_step_in_one_program.py``.
 The original custom-call API is deprecated in XLA:CPU (it logs so); this probes a design, it is not one.
 """
 

@@ -7,8 +7,8 @@ which rank is killed (rank 0 hosts the coordination service by default), and the
 service in a separate small process.  ``reinit`` checks whether one process can
 ``jax.distributed.shutdown()`` and ``initialize()`` again.
 
-    python benchmarks/probe_engine_failure.py            # every scenario, a table on stdout
-    python benchmarks/probe_engine_failure.py 9 10       # scenarios 9 and 10 of SCENARIOS only
+    python tests/reliability/probe_engine_failure.py            # every scenario, a table on stdout
+    python tests/reliability/probe_engine_failure.py 9 10       # scenarios 9 and 10 of SCENARIOS only
 
 The evidence behind the engine's failure design (docs/guides/gpu.rst, "Engine").
 """

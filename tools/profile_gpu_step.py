@@ -14,10 +14,13 @@ and update calls alone, and a cProfile of the master, with 2048 or 16384 rows sc
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
-from bench_gpu import WIDTHS, C, D, mlp, synk_training  # the same MLP and step as the benchmark (one folder)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench_gpu import WIDTHS, C, D, mlp, synk_training
 
 
 def build(batch: int):

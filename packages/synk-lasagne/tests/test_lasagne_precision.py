@@ -1,0 +1,80 @@
+"""``make_train_function(precision="bf16")`` on a CNN with batch norm and Adam, in a group of 2 CPU ranks (JAX
+backend): the convolutions and products take bfloat16 operands, while parameters, Adam's moments, the step
+counter and batch norm's running statistics stay float32 and the step stays close to the strict float32 one
+(reference: the same step under ``precision="highest"``)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+
+import pytensor
+import pytensor.tensor as pt
+from lasagne_testutil import assert_no_workers_left, own_entries
+
+import synkhronos as synk
+from synk_lasagne import layers, make_train_function, nonlinearities, objectives, updates
+from synk_lasagne.random import set_rng
+from synkhronos.runtime import current
+
+RTOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A group of 2 CPU ranks that compile with JAX (the policy needs it), for the module."""
+    n = synk.fork(2, use_gpu=False)
+    if getattr(current().device, "backend", "jax") != "jax":
+        synk.close()
+        pytest.skip("CPU ranks compile with PyTensor's default mode here (SYNK_CPU_BACKEND or a mode in "
+                    "PYTENSOR_FLAGS): a precision policy needs JAX")
+    prefix = current().group.prefix
+    yield n
+    synk.close()
+    gc.collect()
+    assert_no_workers_left()
+    assert not own_entries(prefix), f"synk.close() left shared memory of its group: {own_entries(prefix)}"
+
+
+def _train(policy: str, xv: np.ndarray, yv: np.ndarray, steps: int = 2):
+    with pytensor.config.change_flags(floatX="float32"):  # float32 parameters, as a float32 user's
+        return _build_and_train(policy, xv, yv, steps)
+
+
+def _build_and_train(policy: str, xv: np.ndarray, yv: np.ndarray, steps: int):
+    set_rng(np.random.RandomState(5))
+    x, y = pt.tensor4("x", dtype="float32"), pt.ivector("y")
+    net = layers.InputLayer((None, 1, 8, 8))
+    net = layers.batch_norm(layers.Conv2DLayer(net, 4, 3, pad="same", nonlinearity=nonlinearities.rectify))
+    net = layers.DenseLayer(net, 3, nonlinearity=nonlinearities.softmax)
+    loss = objectives.aggregate(objectives.categorical_crossentropy(layers.get_output(net, x), y))
+    params = layers.get_all_params(net, trainable=True)
+    train = make_train_function(loss, params, [x, y], updates.adam, precision=policy,
+                                learning_rate=np.float32(1e-2))
+    xd, yd = synk.data(xv), synk.data(yv)
+    losses = [float(train(xd, yd)) for _ in range(steps)]
+    state = [v for v in layers.get_all_params(net) if v not in params]  # batch norm's running statistics
+    return train, losses, [v.get_value() for v in [*params, *train.state, *state]]
+
+
+def test_bf16_step_keeps_state_float32_and_stays_close(group):
+    rng = np.random.default_rng(6)
+    xv = rng.standard_normal((10, 1, 8, 8)).astype(np.float32)
+    yv = rng.integers(0, 3, 10).astype(np.int32)
+    train, losses, values = _train("bf16", xv, yv)
+    assert train.precision == "bf16" and train.function.precision == "bf16"
+    strict, want_losses, want_values = _train("highest", xv, yv)
+    assert strict.precision == "highest"
+    assert len(values) == len(want_values) > 6  # W, b, beta, gamma, Adam's moments and step, running stats
+    for got, want in zip(values, want_values):
+        assert got.dtype == want.dtype
+        if want.dtype.kind == "f":
+            assert got.dtype == np.float32
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    assert losses[0] != want_losses[0]  # the policy is in effect from the first step
+    conv_w, want_w = values[0], want_values[0]
+    np.testing.assert_allclose(conv_w, want_w, rtol=RTOL, atol=RTOL * float(np.abs(want_w).max()))

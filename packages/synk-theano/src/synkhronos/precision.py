@@ -1,0 +1,342 @@
+"""Precision policies: how the matrix products and convolutions of a float32 graph compute.
+
+PyTensor has no bfloat16 type: users write float32 graphs.  A policy changes how the products of
+such a graph compute, not the graph: it is a transformation of the JAX function that PyTensor's
+JAX translation made (:func:`apply`), so every Op keeps its own translation.
+
+=============  ===============================================================================
+``"default"``  XLA's default: float32 products at the backend's default precision (TF32 tensor
+               cores on Ampere and Hopper GPUs, float32 on CPUs).  The function is unchanged.
+``"highest"``  Strict float32: every float32 product at ``lax.Precision.HIGHEST``.
+``"bf16"``     Every float32 ``dot_general`` and ``conv_general_dilated`` takes bfloat16
+               operands and accumulates in float32 (``preferred_element_type=float32``); its
+               result is float32.  Everything else computes as the graph says, in float32:
+               parameters, optimizer state, updates, batch-norm statistics, softmax and loss
+               reductions, and the function's outputs keep the graph's dtypes.
+=============  ===============================================================================
+
+Products of other dtypes (float64, integers) are left as they are under every policy.
+
+Functions
+    :func:`check`        a policy name, checked (``None``: ``"default"``)
+    :func:`apply`        ``fn`` -> the same function under a policy (a jaxpr interpreter)
+    :func:`jax_mode`     a PyTensor JAX mode whose compiled functions run under a policy
+    :func:`compile_kwargs`  ``pytensor.function`` keyword arguments under a policy (the hook)
+    :func:`check_backend`   the master's build-time check that a policy can apply
+
+Example
+-------
+>>> import jax.numpy as jnp
+>>> from synkhronos import precision
+>>> f = precision.apply(lambda a, b: a @ b, "bf16")
+>>> f(jnp.ones((2, 3)), jnp.ones((3, 2))).dtype
+dtype('float32')
+
+How ``apply`` works: the function is traced to a jaxpr at the shapes it is called with, and the
+jaxpr is evaluated again equation by equation, each product bound anew with the policy's
+operands and parameters.  Sub-jaxprs (``jit``, ``custom_jvp_call``/``custom_vjp_call``,
+``scan``, ``while``, ``cond``, ``checkpoint``, ``shard_map``...) are rewritten the same way
+wherever they hold a product, and their primitives bound again with the rewritten jaxprs (same
+signatures, so the primitives' rules apply unchanged).  A custom derivative rule itself runs as
+written if the transformed function is differentiated by JAX afterwards (PyTensor differentiates
+the graph before it is translated, so a Synkhronos function never is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["POLICIES", "apply", "check", "check_backend", "compile_kwargs", "jax_mode", "policy_of"]
+
+log = logging.getLogger("synkhronos")
+
+POLICIES = ("default", "highest", "bf16")
+"""The policies, by name (see the module docstring)."""
+
+_PRODUCTS = ("dot_general", "conv_general_dilated")
+"""The primitives a policy changes."""
+
+
+def check(precision: str | None) -> str:
+    """``precision`` as a policy name (None: ``"default"``).
+
+    Raises
+    ------
+    ValueError
+        For a name not in :data:`POLICIES`.
+    """
+    if precision is None:
+        return "default"
+    if not isinstance(precision, str) or precision not in POLICIES:
+        raise ValueError(f"precision must be one of {', '.join(repr(p) for p in POLICIES)}, got {precision!r}")
+    return precision
+
+
+# -- the transformation -------------------------------------------------------------------------
+def apply(fn: Callable[..., Any], precision: str) -> Callable[..., Any]:
+    """``fn`` (a function of JAX arrays) computing its products under ``precision``.
+
+    ``"default"`` returns ``fn`` itself.  Otherwise each call traces ``fn`` at its arguments' shapes
+    (inside ``jax.jit``: once per compilation) and evaluates the traced jaxpr with the policy.
+    Arguments that are not arrays (Python numbers: PyTensor's static shape inputs) stay static.
+
+    Parameters
+    ----------
+    fn : callable
+        Arrays (and static Python values) -> a pytree of arrays.
+    precision : str
+        A name of :data:`POLICIES`.
+
+    Returns
+    -------
+    callable
+        Same arguments, same results' structure, shapes and dtypes.
+    """
+    policy = check(precision)
+    if policy == "default":
+        return fn
+    import jax
+
+    @functools.wraps(fn)
+    def under_policy(*args: Any) -> Any:
+        static = {i: a for i, a in enumerate(args) if not _is_array(a)}
+        arrays = [a for i, a in enumerate(args) if i not in static]
+
+        def with_static(*xs: Any) -> Any:
+            it = iter(xs)
+            return fn(*(static[i] if i in static else next(it) for i in range(len(args))))
+
+        closed, shapes = jax.make_jaxpr(with_static, return_shape=True)(*arrays)
+        outs = _eval(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(arrays), policy)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), outs)
+
+    return under_policy
+
+
+def _is_array(value: Any) -> bool:
+    import jax
+
+    return isinstance(value, (jax.Array, np.ndarray, np.generic)) or hasattr(value, "aval")
+
+
+def _core() -> Any:
+    """JAX's jaxpr types: ``jax.extend.core`` (``jax.core`` before JAX exported them there)."""
+    try:
+        from jax.extend import core
+    except ImportError:  # pragma: no cover - older JAX
+        from jax import core  # type: ignore[no-redef]
+    return core
+
+
+def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str) -> list[Any]:
+    """``jaxpr`` evaluated on ``args`` (binding on the current trace), its products under ``policy``."""
+    Literal = _core().Literal
+
+    env: dict[Any, Any] = {}
+
+    def read(var: Any) -> Any:
+        return var.val if isinstance(var, Literal) else env[var]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in _PRODUCTS:
+            outvals: Any = _product(eqn, invals, policy)
+        else:
+            params = {k: _rewritten(v, policy) for k, v in eqn.params.items()}
+            bind_params = eqn.primitive.get_bind_params(params)
+            subfuns: Any = ()
+            if isinstance(bind_params, tuple):  # jax < 0.7: (sub-functions, parameters)
+                subfuns, bind_params = bind_params
+            ctx = getattr(eqn, "ctx", None)
+            with ctx.manager if ctx is not None else contextlib.nullcontext():
+                outvals = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+        if not eqn.primitive.multiple_results:
+            outvals = [outvals]
+        for var, val in zip(eqn.outvars, outvals):
+            if type(var).__name__ != "DropVar":
+                env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _product(eqn: Any, invals: list[Any], policy: str) -> Any:
+    """One ``dot_general``/``conv_general_dilated`` under ``policy``: float32 operands as bfloat16
+    accumulating in float32 (``"bf16"``), or at ``Precision.HIGHEST`` (``"highest"``)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    lhs, rhs = invals[:2]
+    params = dict(eqn.params)
+    if not all(jnp.dtype(x.dtype) == jnp.float32 for x in (lhs, rhs)):
+        return eqn.primitive.bind(*invals, **params)
+    if policy == "highest":
+        params["precision"] = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+    else:
+        params["precision"] = None
+        params["preferred_element_type"] = jnp.dtype(eqn.outvars[0].aval.dtype)
+        lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
+    return eqn.primitive.bind(lhs, rhs, *invals[2:], **params)
+
+
+def _rewritten(value: Any, policy: str) -> Any:
+    """A primitive's parameter, with every (closed) jaxpr in it rewritten under ``policy``."""
+    ClosedJaxpr, Jaxpr = _core().ClosedJaxpr, _core().Jaxpr
+
+    if isinstance(value, ClosedJaxpr):
+        return _closed(value, policy)
+    if isinstance(value, Jaxpr):
+        return _open(value, policy)
+    if isinstance(value, tuple) and value and all(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value):
+        return tuple(_rewritten(v, policy) for v in value)
+    return value
+
+
+def _subjaxprs(jaxpr: Any) -> list[Any]:
+    """The jaxprs in the parameters of ``jaxpr``'s equations (one level down)."""
+    ClosedJaxpr, Jaxpr = _core().ClosedJaxpr, _core().Jaxpr
+    found = []
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple) else (value,):
+                if isinstance(item, ClosedJaxpr):
+                    found.append(item.jaxpr)
+                elif isinstance(item, Jaxpr):
+                    found.append(item)
+    return found
+
+
+def _has_products(jaxpr: Any) -> bool:
+    return any(eqn.primitive.name in _PRODUCTS for eqn in jaxpr.eqns) or any(
+        _has_products(sub) for sub in _subjaxprs(jaxpr))
+
+
+def _closed(closed: Any, policy: str) -> Any:
+    """A ClosedJaxpr rewritten under ``policy`` (the same one where it holds no product): traced
+    again at its input types, weak types included, so that its signature is unchanged."""
+    if not _has_products(closed.jaxpr):
+        return closed
+    import jax
+
+    structs = []
+    for aval in closed.in_avals:
+        if not hasattr(aval, "shape"):
+            raise NotImplementedError(f"precision policy {policy!r}: a sub-jaxpr takes a {aval} operand, which it "
+                                      "cannot trace again; use precision='default' for this function")
+        structs.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False)))
+    return jax.make_jaxpr(lambda *xs: _eval(closed.jaxpr, closed.consts, list(xs), policy))(*structs)
+
+
+def _open(jaxpr: Any, policy: str) -> Any:
+    """An open Jaxpr (``checkpoint``'s, ``shard_map``'s) rewritten under ``policy``."""
+    ClosedJaxpr = _core().ClosedJaxpr
+
+    if not _has_products(jaxpr):
+        return jaxpr
+    if jaxpr.constvars:
+        raise NotImplementedError(f"precision policy {policy!r}: a sub-jaxpr with constants of its own; use "
+                                  "precision='default' for this function")
+    new = _closed(ClosedJaxpr(jaxpr, ()), policy)
+    if new.consts:
+        raise NotImplementedError(f"precision policy {policy!r}: rewriting a sub-jaxpr made constants; use "
+                                  "precision='default' for this function")
+    return new.jaxpr
+
+
+# -- PyTensor: the JAX linker and the mode ----------------------------------------------------------
+@functools.cache
+def _linker_class(policy: str) -> type:
+    """PyTensor's ``JAXLinker`` whose jitted function runs under ``policy`` (one class per policy:
+    PyTensor makes a linker of the same class, without arguments, for each function it compiles)."""
+    from pytensor.link.jax.linker import JAXLinker
+
+    def jit_compile(self: Any, fn: Any) -> Any:
+        return JAXLinker.jit_compile(self, apply(fn, policy))
+
+    return type(f"JAXLinker_{policy}", (JAXLinker,), {"precision": policy, "jit_compile": jit_compile,
+                                                        "__module__": __name__})
+
+
+def _is_jax_mode(mode: Any) -> bool:
+    from pytensor.compile.mode import get_mode
+    from pytensor.link.jax.linker import JAXLinker
+
+    return isinstance(get_mode(mode).linker, JAXLinker)
+
+
+def jax_mode(mode: Any, precision: str) -> Any:
+    """``mode`` (``"JAX"`` or a JAX-linker Mode: its rewrites) compiling under ``precision``.
+
+    Under a policy other than ``"default"`` the products stay JAX's own (CPU ranks' BLAS products,
+    :mod:`synkhronos.blas`, are excluded), so that the policy reaches them.
+
+    Raises
+    ------
+    ValueError
+        Where ``mode`` does not compile with JAX.
+    """
+    policy = check(precision)
+    if policy == "default":
+        return mode
+    from pytensor.compile.mode import Mode, get_mode
+
+    if mode is None or not _is_jax_mode(mode):
+        raise ValueError(_no_jax(policy, f"it compiles in PyTensor mode {mode!r}" if mode is not None
+                                 else "it compiles in PyTensor's default mode (C/Numba), not JAX: JAX could "
+                                      "not compile it (an exception above says why), or its in-graph "
+                                      "collectives run outside JAX here"))
+    from synkhronos.blas import TAG
+
+    rewrites = get_mode(mode).excluding(TAG)
+    return Mode(linker=_linker_class(policy)(), optimizer=rewrites.provided_optimizer)
+
+
+def compile_kwargs(precision: str, kwargs: dict[str, Any], device: Any) -> dict[str, Any]:
+    """The hook: ``pytensor.function`` keyword arguments (``mode`` already chosen by the rank's
+    device) with the mode compiling under ``precision``.  The JAX engine's master compiles only to
+    check graphs (its workers apply the policy): it keeps its mode."""
+    if check(precision) == "default" or getattr(device, "kind", None) == "engine-master":
+        return kwargs
+    return {**kwargs, "mode": jax_mode(kwargs.get("mode"), precision)}
+
+
+def policy_of(fn: Any) -> str:
+    """The policy of a compiled PyTensor function (``"default"`` unless :func:`jax_mode` made its mode)."""
+    return getattr(getattr(getattr(fn, "maker", None), "linker", None), "precision", "default")
+
+
+def check_backend(precision: str, device: Any, mode: Any = None) -> None:
+    """In the master, before any worker acts: raise where ``precision`` cannot apply.
+
+    Every function of GPU mode and of the JAX engine compiles with JAX; CPU mode's per-rank
+    engine does where its backend is ``"jax"`` (:func:`synkhronos.cpu.choose_backend`).
+
+    Raises
+    ------
+    ValueError
+        For a policy other than ``"default"`` with a ``mode`` that is not JAX, or CPU ranks that
+        compile with PyTensor's default mode (C/Numba).
+    """
+    policy = check(precision)
+    if policy == "default":
+        return
+    if mode is not None and not _is_jax_mode(mode):
+        raise ValueError(_no_jax(policy, f"mode={mode!r} is not a JAX mode: leave mode out, or give mode='JAX'"))
+    if device.use_gpu or getattr(device, "kind", None) == "engine-master":
+        return
+    backend = getattr(device, "backend", "jax")
+    if backend != "jax":
+        raise ValueError(_no_jax(policy, f"CPU mode's ranks compile with PyTensor's default mode (backend "
+                                         f"{backend!r}): install JAX (pip install 'synk-theano[cpu]') and leave "
+                                         "SYNK_CPU_BACKEND unset or set it to 'jax', with no mode in PYTENSOR_FLAGS"))
+
+
+def _no_jax(policy: str, why: str) -> str:
+    return (f"precision={policy!r} applies to functions compiled with JAX (PyTensor's mode='JAX'), but {why}. "
+            "Use precision='default' for this function.")

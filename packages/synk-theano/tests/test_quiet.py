@@ -1,0 +1,58 @@
+"""synkhronos.quiet: gloo's connection lines dropped from a process's stdout (everything else kept,
+partial lines too), and float32 work in JAX mode without requests for 64-bit dtypes (the same
+values, no JAX warning)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+WRITER = r"""
+import os, sys, time
+from synkhronos.quiet import drop_gloo_connect_lines
+print("before", flush=True)
+drop_gloo_connect_lines()
+os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n")
+os.write(1, b"user line\n[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n")
+os.write(1, b"[Gloo] Rank 0 is NOT connected to: [1]\n")
+os.write(1, b"[Gloo] Rank 2 is conn")
+os.write(1, b"ected to 1 peer ranks.\nprogress 50%")
+time.sleep(0.2)
+print(" [Gloo] Rank 3 is not at the start of its line", flush=True)
+print("end without newline", end="")
+"""
+
+
+def test_gloo_lines_are_dropped_and_everything_else_kept():
+    out = subprocess.run([sys.executable, "-c", WRITER], capture_output=True, timeout=60, check=True).stdout
+    assert out == (b"before\nuser line\n[Gloo] Rank 0 is NOT connected to: [1]\n"
+                   b"progress 50% [Gloo] Rank 3 is not at the start of its line\nend without newline")
+
+
+def test_float32_work_requests_no_float64_from_jax():
+    jax = pytest.importorskip("jax")
+    import pytensor
+    import pytensor.tensor as pt
+
+    from synkhronos.quiet import request_canonical_dtypes
+
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        request_canonical_dtypes()
+        with pytensor.config.change_flags(floatX="float32"):
+            x = pt.matrix("x", dtype="float32")
+            f = pytensor.function([x], [pt.sum(x), pt.mean(x, axis=0), pt.prod(x[0])], mode="JAX")
+            value = np.arange(1, 13, dtype="float32").reshape(4, 3)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="Explicitly requested dtype")
+                total, mean, prod = f(value)
+        np.testing.assert_allclose(total, value.sum())
+        np.testing.assert_allclose(mean, value.mean(axis=0))
+        np.testing.assert_allclose(prod, value[0].prod())
+    finally:
+        jax.config.update("jax_enable_x64", x64)

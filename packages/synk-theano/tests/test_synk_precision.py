@@ -1,0 +1,227 @@
+"""Precision policies (:mod:`synkhronos.precision`): the transformation of JAX functions alone, PyTensor's
+JAX mode under a policy, and Synkhronos functions under ``precision=`` in a forked group.
+
+References: the same function in float32 (``"bf16"`` results are close to it, and differ from it, so the
+policy is in effect), numpy in float64 (``"highest"``), and a single-process PyTensor function compiled
+under the same policy (a group's training step under ``"bf16"`` equals it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+import pytensor  # noqa: E402
+import pytensor.tensor as pt  # noqa: E402
+from jax import lax  # noqa: E402
+
+import synkhronos as synk  # noqa: E402
+from synkhronos import precision  # noqa: E402
+
+RTOL = 2e-2
+
+
+def products(closed):
+    """Every dot_general/conv_general_dilated equation of a ClosedJaxpr, sub-jaxprs included."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+                yield eqn
+            for value in eqn.params.values():
+                for item in value if isinstance(value, tuple) else (value,):
+                    sub = getattr(item, "jaxpr", item)  # a ClosedJaxpr's, or an open Jaxpr
+                    if hasattr(sub, "eqns"):
+                        yield from walk(sub)
+
+    return list(walk(closed.jaxpr))
+
+
+@jax.custom_vjp
+def _matmul_vjp(a, b):
+    return a @ b
+
+
+_matmul_vjp.defvjp(lambda a, b: (a @ b, (a, b)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+
+def structured(x, w, n):
+    """Products at the top, in jit (einsum), custom_jvp (relu around one), custom_vjp, scan, while and cond;
+    ``n`` a static Python int."""
+    y = jax.nn.relu(x @ w)
+    y = jnp.einsum("ij,jk->ik", y, w) / n
+
+    def step(c, _):
+        return jnp.tanh(_matmul_vjp(c, w)), jnp.sum(c)
+
+    y, sums = lax.scan(step, y, None, length=2)
+    y = lax.while_loop(lambda c: c[1] < 2, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1), (y, 0))[0]
+    y = lax.cond(jnp.sum(sums) > -1e9, lambda a: jnp.tanh(a @ w), lambda a: a, y)
+    conv = lax.conv_general_dilated(y[None, None], w[None, None, :3, :3], (1, 1), "SAME")
+    return y, conv[0, 0], jnp.arange(3) @ jnp.arange(3)  # an integer product: left alone
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((6, 5)).astype(np.float32), (rng.standard_normal((5, 5)) / 2).astype(np.float32)
+
+
+def test_bf16_transform_rewrites_every_float32_product():
+    x, w = _inputs()
+    f = precision.apply(structured, "bf16")
+    closed = jax.make_jaxpr(lambda a, b: f(a, b, 3))(x, w)
+    found = products(closed)
+    assert len(found) == 7  # the top one, einsum, custom_vjp, while, cond, conv, the integer one
+    for eqn in found:
+        dtypes = {v.aval.dtype for v in eqn.invars[:2]}
+        if dtypes == {np.dtype(np.int32)}:
+            continue
+        assert dtypes == {np.dtype(jnp.bfloat16)}, eqn
+        assert eqn.outvars[0].aval.dtype == np.float32
+    want = jax.jit(structured, static_argnums=2)(x, w, 3)
+    got = jax.jit(f, static_argnums=2)(x, w, 3)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=RTOL * float(np.abs(b).max()))
+        assert not np.array_equal(a, b)  # the operands really were rounded to bfloat16
+    assert int(got[2]) == int(want[2]) == 5
+
+
+def test_highest_transform_sets_the_precision_of_every_product():
+    x, w = _inputs()
+    f = precision.apply(structured, "highest")
+    found = products(jax.make_jaxpr(lambda a, b: f(a, b, 3))(x, w))
+    floats = [e for e in found if e.invars[0].aval.dtype == np.float32]
+    assert len(floats) == 6
+    assert all(e.params["precision"] == (lax.Precision.HIGHEST,) * 2 for e in floats)
+    got = jax.jit(f, static_argnums=2)(x, w, 3)
+    want = jax.jit(structured, static_argnums=2)(x, w, 3)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)  # float32 on the CPU either way
+
+
+def test_default_is_the_function_itself_and_bad_names_raise():
+    assert precision.apply(structured, "default") is structured
+    assert precision.check(None) == "default"
+    with pytest.raises(ValueError, match="precision must be one of 'default', 'highest', 'bf16'"):
+        precision.check("float16")
+
+
+def test_no_backend_without_jax_is_a_clear_error():
+    from synkhronos.device import CpuDevice
+
+    with pytest.raises(ValueError, match="CPU mode's ranks compile with PyTensor's default mode"):
+        precision.check_backend("bf16", CpuDevice("pytensor"))
+    with pytest.raises(ValueError, match="mode='NUMBA' is not a JAX mode"):
+        precision.check_backend("bf16", CpuDevice("pytensor"), "NUMBA")
+    with pytest.raises(ValueError, match="applies to functions compiled with JAX"):
+        precision.jax_mode(None, "bf16")
+    precision.check_backend("default", CpuDevice("pytensor"), "NUMBA")  # nothing to apply
+
+
+def _dense_net():
+    """A float32 dense + batch-norm-like + dense graph, its input, parameters and input value (the
+    convolutions: synk_lasagne's tests, where the Op lives)."""
+    rng = np.random.default_rng(1)
+    x = pt.fmatrix("x")
+    k = pytensor.shared((rng.standard_normal((10, 12)) / 3).astype(np.float32), name="k")
+    d = pytensor.shared((rng.standard_normal((12, 3)) / 3).astype(np.float32), name="d")
+    h = x @ k
+    h = pt.maximum((h - h.mean(axis=0)) / pt.sqrt(h.var(axis=0) + np.float32(1e-5)), 0)
+    return x, [k, d], h @ d, rng.standard_normal((5, 10)).astype(np.float32)
+
+
+def test_pytensor_jax_mode_under_bf16_keeps_float32_outputs():
+    x, params, out, xv = _dense_net()
+    loss = pt.mean(out ** 2)
+    grads = pytensor.grad(loss, params)
+    want = pytensor.function([x], [out, *grads], mode="JAX")(xv)
+    fn = pytensor.function([x], [out, *grads], mode=precision.jax_mode("JAX", "bf16"))
+    assert precision.policy_of(fn) == "bf16"
+    got = fn(xv)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype  # the translation's own dtypes (float64 after a float64 accumulator under x64)
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=RTOL * float(np.abs(b).max()))
+        assert not np.array_equal(a, b)
+
+
+# -- in a forked group --------------------------------------------------------------------------------
+ROWS = 12
+
+
+def _step():
+    """A momentum step of a small tanh MLP whose gradient is all-reduced in the graph: loss, updates,
+    parameters, velocities."""
+    lr, mu = np.float32(0.2), np.float32(0.9)
+    rng = np.random.default_rng(2)
+    x, y = pt.fmatrix("x"), pt.fmatrix("y")
+    w1 = pytensor.shared((rng.standard_normal((8, 16)) / 3).astype(np.float32), name="w1")
+    w2 = pytensor.shared((rng.standard_normal((16, 4)) / 4).astype(np.float32), name="w2")
+    params = [w1, w2]
+    vel = [pytensor.shared(np.zeros(p.get_value().shape, np.float32), name=f"v_{p.name}") for p in params]
+    per_row = pt.sum((pt.tanh(x @ w1) @ w2 - y) ** 2, axis=1)
+    grads = pytensor.grad(pt.sum(per_row), params)
+    updates = []
+    for p, v, g in zip(params, vel, grads):
+        new_v = mu * v + synk.ops.all_reduce(g, "sum") / np.float32(ROWS)
+        updates += [(v, new_v), (p, p - lr * new_v)]
+    return [x, y], pt.mean(per_row), updates, params + vel
+
+
+def _batch():
+    rng = np.random.default_rng(3)
+    return rng.standard_normal((ROWS, 8)).astype(np.float32), rng.standard_normal((ROWS, 4)).astype(np.float32)
+
+
+def _one_process(policy: str, steps: int) -> tuple[list[float], list[np.ndarray]]:
+    """The step in this process alone (one rank: its all-reduce is the identity) under ``policy``."""
+    inputs, loss, updates, state = _step()
+    fn = pytensor.function(inputs, loss, updates=updates, mode=precision.jax_mode("JAX", policy))
+    xv, yv = _batch()
+    losses = [float(fn(xv, yv)) for _ in range(steps)]
+    return losses, [np.asarray(v.get_value()) for v in state]
+
+
+def test_bf16_training_in_the_group_equals_one_process(ranks):
+    inputs, loss, updates, state = _step()
+    train = synk.function(inputs, loss, updates=updates, precision="bf16")
+    assert train.precision == "bf16"
+    xv, yv = _batch()
+    xd, yd = synk.data(xv), synk.data(yv)
+    losses = [float(train(xd, yd)) for _ in range(2)]
+    values = [v.get_value() for v in state]
+    assert all(v.dtype == np.float32 for v in values)  # parameters and velocities stay float32
+    want_losses, want_values = _one_process("bf16", 2)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
+    for got, want in zip(values, want_values):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    f32_losses, f32_values = _one_process("highest", 2)
+    np.testing.assert_allclose(losses, f32_losses, rtol=RTOL)
+    assert not np.array_equal(values[0], f32_values[0])  # the policy is in effect
+    np.testing.assert_allclose(values[0], f32_values[0], rtol=RTOL, atol=RTOL * float(np.abs(f32_values[0]).max()))
+
+
+def test_outputs_keep_the_graph_dtypes_and_the_fork_default_applies(ranks):
+    from synkhronos.runtime import current
+
+    x = pt.fmatrix("x")
+    w = pytensor.shared(np.random.default_rng(4).standard_normal((8, 3)).astype(np.float32), name="w")
+    out = pt.tanh(x @ w)
+    xv = _batch()[0]
+    want = pytensor.function([x], out, mode="JAX")(xv)
+    rt = current()
+    rt.precision = "bf16"  # as fork(precision="bf16") sets it
+    try:
+        fn = synk.function([x], [(out, "gather"), (pt.argmax(out, axis=1), "gather")])
+    finally:
+        rt.precision = "default"
+    assert fn.precision == "bf16"
+    got, idx = fn(synk.data(xv))
+    assert got.dtype == np.float32 and idx.dtype == np.int64
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL)
+    assert not np.array_equal(got, want)
+    assert synk.function([x], out).precision == "default"
+    with pytest.raises(ValueError, match="is not a JAX mode"):
+        synk.function([x], out, precision="bf16", mode="NUMBA")
