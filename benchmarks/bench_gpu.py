@@ -23,6 +23,7 @@ Prints markdown tables and writes ``$OUT/bench_gpu.json`` (and the PNG).  ``SYNK
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -41,6 +42,9 @@ the strict float32 table; unset, matmuls run in TF32 on Hopper (JAX's and our DD
 POLICY_ENV = "SYNK_BENCH_POLICY"
 """The precision policy of the training rows (:mod:`synkhronos.precision`; set by :func:`main` for the
 bf16 table, read by the rows' processes): ``bf16`` also puts DDP's forward pass under autocast."""
+IN_FLIGHT = int(os.environ.get("SYNK_BENCH_IN_FLIGHT", "0"))
+"""> 0: the synk training rows submit each step (``Function.submit``) with this many calls in flight,
+reading every step's loss as it completes; 0 (default): synchronous calls."""
 USE_GPU = os.environ.get("SYNK_BENCH_CPU") != "1"  # SYNK_BENCH_CPU=1: a dry run of the code on CPU workers
 D, H, L, C = 1024, 4096, 4, 10
 WIDTHS = [D] + [H] * L + [C]
@@ -131,7 +135,7 @@ def synk_training(n: int, scattered: int) -> tuple[Any, list[Any]]:
     import synkhronos as synk
     from synk_lasagne import make_train_function, updates
 
-    synk.fork(n, use_gpu=USE_GPU)
+    synk.fork(n, use_gpu=USE_GPU, **({"max_in_flight": IN_FLIGHT} if IN_FLIGHT > 0 else {}))
     rng = np.random.default_rng(0)
     xs = pytensor.shared(np.zeros((0, D), dtype="float32"), name="xs")
     ys = pytensor.shared(np.zeros(0, dtype="int32"), name="ys")
@@ -156,8 +160,17 @@ def synk_train_steps(n: int, batches: list[int], steps: int = 20) -> dict[int, f
         for _ in range(5):
             train(batch_s=rows)
         t0 = time.perf_counter()
-        for _ in range(steps):
-            train(batch_s=rows)  # returns the loss: every step ends with the host holding it
+        if IN_FLIGHT > 0:  # every step's loss read when it completes, up to IN_FLIGHT steps late
+            pending: collections.deque[Any] = collections.deque()
+            for _ in range(steps):
+                pending.append(train.function.submit(batch_s=rows))
+                if len(pending) >= IN_FLIGHT:
+                    pending.popleft().result()
+            while pending:
+                pending.popleft().result()
+        else:
+            for _ in range(steps):
+                train(batch_s=rows)  # returns the loss: every step ends with the host holding it
         synk.get_value(0, params[-1])  # the last update has finished (a 10-value bias: a cheap wait)
         times[batch] = (time.perf_counter() - t0) / steps
     # the GPU 0 worker's peak (the JAX engine's master holds no GPU: its own statistics read 0)

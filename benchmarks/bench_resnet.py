@@ -42,6 +42,7 @@ markdown tables and writes ``$OUT/bench_resnet.json``.  ``--dry-run``: the same 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precisions", default="fp32,tf32", help="comma-separated: fp32 (strict), tf32, bf16")
     parser.add_argument("--gpus", type=int, default=None, help="largest GPU count of the scaling rows (default: all)")
     parser.add_argument("--skip", default="", help="comma-separated rows to skip: plain, synk, torch, ddp")
+    parser.add_argument("--in-flight", type=int, default=0,
+                        help="synk rows: submit each step (Function.submit) with this many calls in flight, reading "
+                             "every step's loss as it completes (0: synchronous calls)")
     parser.add_argument("--dry-run", action="store_true", help="tiny network on CPU: checks the code, no figures")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -220,7 +224,7 @@ def synk_worker(args: argparse.Namespace, n: int, use_gpu: bool, policy: str = "
 
     quiet()
     pytensor.config.floatX = "float32"
-    synk.fork(n, use_gpu=use_gpu)
+    synk.fork(n, use_gpu=use_gpu, **({"max_in_flight": args.in_flight} if args.in_flight > 0 else {}))
     try:
         size = args.image_size
         xs = pytensor.shared(np.zeros((0, 3, size, size), "float32"), name="xs", shape=(None, 3, size, size))
@@ -238,8 +242,23 @@ def synk_worker(args: argparse.Namespace, n: int, use_gpu: bool, policy: str = "
             train(batch_s=rows)
             print(f"synk {n} rank(s) batch {batch}: first step (compilation) {time.perf_counter() - t0:.1f} s",
                   flush=True)
-            times[str(batch)] = timed(lambda rows=rows: train(batch_s=rows), args.warmup, args.steps,
-                                      finish=lambda: synk.get_value(0, params[-1]))
+            if args.in_flight > 0:  # the loss of every step read when it completes, up to in_flight steps late
+                pending: collections.deque[Any] = collections.deque()
+
+                def step(rows: slice = rows, pending: collections.deque[Any] = pending) -> None:
+                    pending.append(train.function.submit(batch_s=rows))
+                    if len(pending) >= args.in_flight:
+                        float(np.asarray(pending.popleft().result()).ravel()[0])
+
+                def finish(pending: collections.deque[Any] = pending) -> None:
+                    while pending:
+                        pending.popleft().result()
+                    synk.get_value(0, params[-1])
+
+                times[str(batch)] = timed(step, args.warmup, args.steps, finish=finish)
+            else:
+                times[str(batch)] = timed(lambda rows=rows: train(batch_s=rows), args.warmup, args.steps,
+                                          finish=lambda: synk.get_value(0, params[-1]))
         return times
     finally:
         synk.close()

@@ -75,7 +75,8 @@ def main() -> None:
         "  of it: the compiled call": lambda: rep.full(None)(*scattered),
         "reply (as numbers where the outputs are scalars)": lambda: calls.reply(rt, plan, 4.0, outputs),
         "  a message: write it": lambda: rt.group.buffers.publish(MAILBOX, reply),
-        "master: combine the shares": lambda: f._gather(rt, own, plan),
+        "master: combine the shares": lambda: importlib.import_module("synkhronos.engines.ranks").combine_replies(
+            rt, rep, own, plan),
     }
     if own is not None:  # replied as a message (a tree before numbers replies)
         pieces["  of it: one output's parts"] = lambda: combine("avg", [own[1], own[1].copy()], [4.0, 4.0])

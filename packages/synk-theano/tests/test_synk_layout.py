@@ -87,3 +87,37 @@ def test_no_import_cycles(folder, package):
 def test_the_cycle_finder_finds_cycles():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+SYNKHRONOS = PACKAGES / "synk-theano" / "src" / "synkhronos"
+PUBLIC_API = ("function.py", "chain.py", "collectives.py", "forking.py", "data_registry.py", "distribution.py")
+
+
+def test_the_public_api_never_asks_which_engine_runs():
+    """The API modules call ``Runtime.driver`` (an :class:`~synkhronos.engines.base.Engine`): no
+    branch on the engine, no import of either engine's machinery."""
+    for name in PUBLIC_API:
+        text = (SYNKHRONOS / name).read_text()
+        assert "engine is not None" not in text and "engine is None" not in text, name
+        if name == "forking.py":  # the lifecycle starts the engines: it imports them
+            continue
+        graph = import_graph(PACKAGES / "synk-theano" / "src", "synkhronos")
+        module = f"synkhronos.{name[:-3]}"
+        leaked = {m for m in graph[module] if m.startswith(("synkhronos.engine.", "synkhronos.engines"))}
+        assert not leaked - {"synkhronos.engine.phases"}, (name, leaked)
+
+
+def test_commands_and_exceptions_have_one_home_each():
+    """Every command name is in ``protocol.py``, every exception class in ``errors.py``."""
+    for path in SYNKHRONOS.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and path.name != "errors.py":
+                bases = {ast.unparse(b) for b in node.bases}
+                assert not bases & {"Exception", "ValueError", "RuntimeError", "TypeError", "IndexError"}, \
+                    f"{path.name}: exception {node.name} outside errors.py"
+            if isinstance(node, ast.Assign) and path.name != "protocol.py" and isinstance(node.value, ast.Constant):
+                value = node.value.value
+                assert not (isinstance(value, str) and value.startswith("synkhronos.") and value.count(".") >= 1
+                            and " " not in value and value[11:].replace(".", "").replace("_", "").isalpha()), \
+                    f"{path.name}: command {value!r} outside protocol.py"

@@ -132,6 +132,7 @@ class Data:
         self._tag = 0
         self._owner = True
         self._callbacks: list[Callable[[Data], None]] = []
+        self._before: list[Callable[[Data], None]] = []
         if value is not None:
             self.set_value(value, force_cast=force_cast, oversize=oversize)
         elif shape is not None:
@@ -236,6 +237,7 @@ class Data:
         """
         _check_oversize(oversize)
         arr = self.condition_data(value, force_cast)
+        self._about_to_change()
         if self._data is not None and np.shares_memory(arr, self._data):
             arr = arr.copy()  # e.g. d.set_value(d[::-1])
         self._resize(arr.shape, oversize, keep=False)
@@ -259,6 +261,7 @@ class Data:
             raise TypeError(f"{self._what()} has ndim={self.ndim}; shape {shape} has {len(shape)}")
         if any(s < 0 for s in shape):
             raise ValueError(f"negative dimension in shape {shape}")
+        self._about_to_change()
         self._resize(shape, oversize, keep=True)
 
     def free_memory(self) -> None:
@@ -269,6 +272,7 @@ class Data:
         if self._segment is None:
             return
         self._require_owner("free its memory")
+        self._about_to_change()
         self._drop_segment()
         self._data = None
         self._tag += 1
@@ -314,6 +318,16 @@ class Data:
         """Call ``callback(data)`` after every change of :meth:`handle` (reallocation, new shape,
         free).  Writes of values do not count: other processes see them in place."""
         self._callbacks.append(callback)
+
+    def before_change(self, callback: Callable[[Data], None]) -> None:
+        """Call ``callback(data)`` before :meth:`set_value`, :meth:`set_shape` (and
+        :meth:`set_length`) or :meth:`free_memory` changes anything (after their checks): e.g. to
+        wait until no pending computation reads the old values."""
+        self._before.append(callback)
+
+    def _about_to_change(self) -> None:
+        for callback in list(self._before):
+            callback(self)
 
     def close(self) -> None:
         """Unmap (and, for the creator, unlink) the memory in this process without notifying

@@ -8,7 +8,9 @@ Lifecycle
     :func:`fork`, :func:`close`, :func:`distribute`
 Functions
     :func:`function` -> :class:`~synkhronos.function.Function` (call with Data; ``batch``,
-    ``batch_s``, ``num_slices``, ``output_subset``; ``as_theano``, ``build_inputs``);
+    ``batch_s``, ``num_slices``, ``output_subset``; ``as_theano``, ``build_inputs``;
+    ``f.submit(...)``: the call in flight, a :class:`concurrent.futures.Future`, see
+    :mod:`synkhronos.inflight`);
     :func:`chain` -> :class:`Chain` (a call, an all-reduce and a second call as one command)
 Data
     :func:`data` -> :class:`Data` (OS shared memory, seen in place by every rank)
@@ -33,9 +35,7 @@ Example
 10.0
 """
 
-from synk_comm import GroupBrokenError, WorkerDiedError, WorkerError
 from synk_shm import Data
-from synkhronos.calls import SelectionError
 from synkhronos.chain import Chain, chain
 from synkhronos.collectives import (
                                     all_gather,
@@ -51,12 +51,14 @@ from synkhronos.collectives import (
 )
 from synkhronos.data_registry import data
 from synkhronos.distribution import distribute
+from synkhronos.errors import DivergentGradientError, GroupBrokenError, SelectionError, WorkerDiedError, WorkerError
 from synkhronos.forking import close, fork
 from synkhronos.function import Function, function
 
-__all__ = ["Chain", "Data", "Function", "GroupBrokenError", "SelectionError", "WorkerDiedError", "WorkerError",
-           "all_gather", "all_reduce", "broadcast", "chain", "close", "data", "distribute", "fork", "function",
-           "gather", "get_lengths", "get_shapes", "get_value", "reduce", "scatter", "set_value"]
+__all__ = ["Chain", "Data", "DivergentGradientError", "Function", "GroupBrokenError", "SelectionError",
+           "WorkerDiedError", "WorkerError", "all_gather", "all_reduce", "broadcast", "chain", "close", "data",
+           "distribute", "fork", "function", "gather", "get_lengths", "get_shapes", "get_value", "reduce", "scatter",
+           "set_value"]
 __version__ = "0.1.0"
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from synk_comm.errors import GroupAborted
 from synk_comm.xla_cpu import ABORTED as ABORTED_IN_PROGRAM
 from synkhronos import call_context
+from synkhronos.errors import SelectionError
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime
 
@@ -37,9 +38,6 @@ __all__ = ["CallPlan", "SelectionError", "compute", "decode", "encode", "execute
            "rank_inputs"]
 
 
-class SelectionError(IndexError, ValueError):
-    """A rank's rows of its sliceable shared variables do not fit the call (found by that rank,
-    before any rank computes: the ranks pass a barrier between checking and computing)."""
 
 NONE = np.iinfo(np.int64).min
 """Stands for ``None`` in a slice bound."""

@@ -35,13 +35,13 @@ from synk_comm import Group, handler
 from synk_comm.ops import as_op
 from synkhronos import calls
 from synkhronos.collectives import _all_reduce, _prepare
-from synkhronos.engine import collectives as engine_collectives
-from synkhronos.function import Function, _selection_errors
+from synkhronos.function import Function
+from synkhronos.protocol import CHAIN
 from synkhronos.runtime import Runtime, describe, rank_runtime
 
 __all__ = ["Chain", "chain"]
 
-CHAIN = "synkhronos.chain"
+
 OPS = ("avg", "sum", "prod", "max", "min")
 
 
@@ -67,36 +67,9 @@ class Chain:
                  batch_s: Any = None, num_slices: int = 1, **kwargs: Any) -> Any:
         """Run the chain; arguments and result as for :meth:`Function.__call__
         <synkhronos.function.Function.__call__>` of ``first``."""
-        first = self.first
-        subset = first._subset(output_subset)
+        self.first._subset(output_subset)  # checked before anything runs
         rt, _, sids, _ = _prepare(self.shared_vars)  # distributes new functions first
-        if rt.engine is not None:
-            return self._call_on_engine(rt, sids, args, kwargs, output_subset, batch, batch_s, num_slices)
-        if self.then is not None:
-            self.then._require_current(rt)
-        tail = [-1 if self.then is None else self.then._spec.fid, OPS.index(self.op), int(self.zeros_if_idle),
-                len(sids), *sids]
-        plan = first._prepare(rt, args, kwargs, subset, batch, batch_s, num_slices, extra_slots=len(tail))
-        offset = calls.CallPlan.length(len(plan.data_ids), len(subset or ()), rt.size)
-        rt.group.scratch[offset:offset + len(tail)] = tail
-        with _selection_errors(), rt.group.command(CHAIN):
-            own = _run(rt, plan, offset)
-        return first._gather(rt, own, plan)
-
-
-    def _call_on_engine(self, rt: Runtime, sids: list[int], args: Any, kwargs: Any, output_subset: Any,
-                        batch: Any, batch_s: Any, num_slices: Any) -> Any:
-        """The JAX engine: the three operations one by one (the all-reduce a program over the ranks,
-        :mod:`synkhronos.engine.collectives`); the same results."""
-        out = self.first(*args, output_subset=output_subset, batch=batch, batch_s=batch_s, num_slices=num_slices,
-                         **kwargs)
-        if self.zeros_if_idle:
-            engine_collectives.zero_ranks(rt, sids, [r for r, w in enumerate(rt.engine.last_weights) if w == 0])
-        if rt.size > 1:
-            engine_collectives.run(rt, "all_reduce", {"sids": sids, "op": self.op})
-        if self.then is not None:
-            self.then()
-        return out
+        return rt.driver.chain(rt, self, sids, args, kwargs, output_subset, batch, batch_s, num_slices)
 
 
 def chain(first: Function, all_reduce: Any, op: str = "avg", then: Function | None = None,

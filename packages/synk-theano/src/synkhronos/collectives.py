@@ -35,13 +35,11 @@ from synk_comm.ops import as_op
 from synk_shm import Data
 from synkhronos.calls import as_index_array, normalise_positions
 from synkhronos.data_registry import data_id, flush_dropped
-from synkhronos.engine import collectives as engine_collectives
+from synkhronos.protocol import COLLECTIVE
 from synkhronos.runtime import Runtime, describe, get_runtime, rank_runtime
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce", "set_value",
            "get_value", "get_lengths", "get_shapes"]
-
-COLLECTIVE = "synkhronos.collective"
 
 
 # --- checks in the master -------------------------------------------------------------------------
@@ -149,9 +147,7 @@ def _length(checked: tuple[str, Any]) -> int:
 
 
 def _run(rt: Runtime, name: str, **payload: Any) -> Any:
-    if rt.engine is not None:  # the JAX engine: the master carries it out
-        return engine_collectives.run(rt, name, payload)
-    return rt.group.run(COLLECTIVE, (name, payload))
+    return rt.driver.collective(rt, name, payload)
 
 
 def _result(values: Sequence[Any], single: bool) -> Any:

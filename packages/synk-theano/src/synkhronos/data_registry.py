@@ -16,11 +16,11 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from synk_comm import Group, handler
 from synk_shm import Data, DataHandle
-from synkhronos.runtime import Runtime, current, describe, get_runtime, rank_runtime
+from synkhronos.protocol import DATA_UPDATE as UPDATE
+from synkhronos.runtime import Runtime, current, describe, get_runtime, rank_runtime, settled
 
 __all__ = ["data", "check_input", "data_id"]
 
-UPDATE = "synkhronos.data_update"
 
 
 def data(value: ArrayLike | None = None, var: Any = None, dtype: DTypeLike | None = None,
@@ -93,9 +93,15 @@ def data_id(rt: Runtime, d: Data) -> int:
     rt.data[did] = d
     rt.data_ids[id(d)] = did
     _push(rt, [(did, d.handle())])
+    d.before_change(_settle_first)
     d.on_change(_make_callback(rt, did))
     weakref.finalize(d, _forget, weakref.ref(rt), did, id(d))
     return did
+
+
+def _settle_first(_d: Data) -> None:
+    """Before a Data changes: the calls in flight, which may read it, finish (:mod:`synkhronos.inflight`)."""
+    settled()
 
 
 def _make_callback(rt: Runtime, did: int) -> Any:

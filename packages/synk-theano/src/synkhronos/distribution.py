@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from synk_comm import Group, handler
+from synkhronos.protocol import DISTRIBUTE
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, get_runtime, rank_runtime
 
@@ -28,7 +29,7 @@ __all__ = ["distribute", "ensure_distributed"]
 
 log = logging.getLogger("synkhronos")
 
-DISTRIBUTE = "synkhronos.distribute"
+
 _REF = "synkhronos-shared"
 
 

@@ -22,6 +22,7 @@ from synk_comm import cores as cores_mod
 from synkhronos import cpu
 from synkhronos.calls import CallPlan
 from synkhronos.device import CpuDevice
+from synkhronos.inflight import DEFAULT_MAX_IN_FLIGHT, Window
 from synkhronos.runtime import Runtime, current, set_current
 
 __all__ = ["fork", "close"]
@@ -56,7 +57,8 @@ def gpu_count() -> int:
 
 def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank: int = 0,
          profile_workers: bool = False, max_n_var: int = 1000, max_dim: int = 16,
-         engine: str | None = None, precision: str = "default") -> int:
+         engine: str | None = None, precision: str = "default",
+         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> int:
     """Start the ranks: the master (this process) and ``n_parallel - 1`` workers.
 
     Parameters
@@ -97,6 +99,9 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     precision : {"default", "highest", "bf16"}
         The precision policy of every function built until :func:`close` that does not give its
         own (:func:`synkhronos.function`'s ``precision``; see :mod:`synkhronos.precision`).
+    max_in_flight : int
+        The most calls :meth:`Function.submit <synkhronos.function.Function.submit>` keeps pending
+        (default 2); ``submit`` blocks while that many are (see :mod:`synkhronos.inflight`).
 
     Returns
     -------
@@ -141,6 +146,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     from synkhronos import precision as precisions
 
     precision = precisions.check(precision)
+    window = Window(max_in_flight)  # checks max_in_flight before anything starts
     from synkhronos import engine as engines
 
     engine = engines.choose(engine, use_gpu)
@@ -158,6 +164,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         rt = _fork_engine(n_parallel, use_gpu, env, profile_workers, max_n_var)
         rt.max_dim = max_dim
         rt.precision = precision
+        rt.window = window
         set_current(rt)
         log.info("synkhronos: %d ranks on the JAX engine (%s) ready in %.2f s", n_parallel,
                  "GPU" if use_gpu else "CPU", time.perf_counter() - t0)
@@ -197,9 +204,12 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
         raise
     if segment is not None:  # a rank that failed inside a program left the others' counters ahead
         group.after_failed_command(segment.realign)
-    rt = Runtime(group, device)
+    from synkhronos.engines.ranks import RanksEngine
+
+    rt = Runtime(group, device, driver=RanksEngine())
     rt.max_dim = max_dim
     rt.precision = precision
+    rt.window = window
     if not use_gpu and n_parallel > 1:
         # The master computes a share too: its BLAS gets its share of the cores, like each worker's
         # (set at the workers' launch); close() gives the master its threads back.
@@ -250,7 +260,9 @@ def _fork_engine(n_parallel: int, use_gpu: bool, env: dict[str, Any], profile_wo
         group.close()
         raise
     group.abort_grace_s = None  # set per call (synkhronos.engine.master)
-    return Runtime(group, HostDevice(use_gpu), engine=Orchestrator())
+    from synkhronos.engines.jax_engine import JaxEngine
+
+    return Runtime(group, HostDevice(use_gpu), engine=Orchestrator(), driver=JaxEngine())
 
 
 def _shared_threads(n_parallel: int, env: dict[str, Any]) -> int:
@@ -306,11 +318,10 @@ def close() -> None:
     rt = current()
     if rt is None:
         return
-    if rt.engine is not None:
-        from synkhronos.engine.master import settle
-
+    rt.window.close()  # the calls in flight finish first
+    if rt.driver is not None and not rt.group.closed:
         try:
-            settle(rt)  # the shared variables' values, read before the workers stop
+            rt.driver.close(rt)  # e.g. the JAX engine reads the shared values before the workers stop
         except Exception as exc:  # the group is broken: the values last read stay
             log.warning("synkhronos: could not read the shared values before closing: %s", exc)
     set_current(None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,17 +25,15 @@ from synk_comm import WorkerError
 from synk_shm import Data
 from synkhronos import calls, data_registry
 from synkhronos.distribution import ensure_distributed
-from synkhronos.engine import master as engine_master
 from synkhronos.engine.phases import PHASES
-from synkhronos.reduce_ops import combine, combine_numbers
+from synkhronos.errors import DivergentGradientError
 from synkhronos.replica import Replica
-from synkhronos.runtime import Runtime, describe, get_runtime
+from synkhronos.runtime import Runtime, current, describe, get_runtime
 from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
 
 __all__ = ["Function", "function"]
 
-CALL = "synkhronos.call"
-_EMPTY = np.empty(0)
+
 
 
 @contextmanager
@@ -160,7 +159,58 @@ class Function:
         """
         if PHASES is not None:
             PHASES.begin()
-        rt = get_runtime()
+        rt = get_runtime()  # after every call submitted before this one (synkhronos.inflight)
+        return self._run_now(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
+
+    def submit(self, *args: Any, output_subset: Sequence[int] | None = None, batch: Any = None,
+               batch_s: Any = None, num_slices: int = 1, **kwargs: Any) -> Future[Any]:
+        """Start the call and return at once: a :class:`concurrent.futures.Future` of its result.
+
+        Arguments as for :meth:`__call__`; ``future.result()`` returns exactly what ``f(...)``
+        returns, or raises what it raises (``f(...)`` is ``f.submit(...).result()``).  Calls run
+        in submission order, at most ``max_in_flight`` (a :func:`synkhronos.fork` option) pending:
+        ``submit`` blocks while the window is full.  Every other operation of the group (a
+        collective, ``get_value``/``set_value``, a Data's ``set_value``/resize/free,
+        ``distribute``, ``close``, a synchronous call) waits for the pending calls first.  A call
+        that fails cancels the calls submitted before its failure that had not started (their
+        futures raise :class:`concurrent.futures.CancelledError` whose ``__cause__`` is the
+        failure); the group stays usable.  See :mod:`synkhronos.inflight`.
+
+        Do not write into a Data that a pending call reads (``d[:] = ...``) before its future
+        is done: its contents are read when the call runs.
+
+        Returns
+        -------
+        concurrent.futures.Future
+
+        Examples
+        --------
+        >>> pending = [step.submit(x_data, batch=b) for b in batches]    # doctest: +SKIP
+        >>> losses = [float(p.result()) for p in pending]                 # doctest: +SKIP
+        """
+        rt = current()
+        if rt is None or rt.group.closed:
+            get_runtime()  # raises the RuntimeError that says what to do
+        assert rt is not None
+        if type(batch) is np.ndarray:
+            batch = batch.copy()  # the caller may reuse its index array for the next batch
+        args, kwargs = tuple(args), dict(kwargs)
+
+        def run() -> Any:
+            if current() is not rt:
+                get_runtime()
+                raise RuntimeError(f"{self!r} was submitted to a group that is closed")
+            if rt.group.closed:
+                get_runtime()  # the RuntimeError that says the group is closed
+            if PHASES is not None:
+                PHASES.begin()
+            return self._run_now(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
+
+        return rt.window.submit(run)
+
+    def _run_now(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any, batch: Any,
+                 batch_s: Any, num_slices: Any) -> Any:
+        """The call itself, in this thread: the plan (kept, or checked and made), then the engine."""
         key = self._plan_key(args, kwargs, output_subset, batch, batch_s, num_slices)
         known = None if key is None else self._known_plan(rt, key)
         if known is not None:
@@ -171,18 +221,7 @@ class Function:
             plan = self._prepare(rt, args, kwargs, self._subset(output_subset), batch, batch_s, num_slices)
             if key is not None:
                 known = self._remember(rt, key, plan, index_batch=type(batch) is np.ndarray)
-        if rt.engine is not None:
-            with _selection_errors():
-                return self._shape(engine_master.call(rt, self._replica, plan, None if known is None else known[4]),
-                                   plan)
-        rt.group.start_command(CALL)  # the hot path: no context managers
-        try:
-            own = calls.share(rt, plan)
-        except BaseException as exc:
-            _finish_call(rt, exc)
-            raise  # pragma: no cover - _finish_call raised
-        _finish_call(rt, None)
-        return self._gather(rt, own, plan)
+        return self._shape(rt.driver.call(rt, self._replica, plan, None if known is None else known[4]), plan)
 
     # -- known plans: a call like an earlier one skips its checks --------------------------------
     @staticmethod
@@ -246,7 +285,7 @@ class Function:
         datas = [(did, weakref.ref(rt.data[did]), rt.data[did].shape, rt.data[did].minibatch)
                  for did in plan.data_ids]
         slots = rt.group.scratch[:calls.CallPlan.length_of(rt.group.scratch, rt.size)].copy()
-        reason = (engine_master.reason_of(self._replica, plan),) if rt.engine is not None else None
+        reason = rt.driver.known_reason(self._replica, plan)
         known = (weakref.ref(rt), datas, plan, slots, reason, index_rows)
         self._plans[key] = known
         return known
@@ -294,30 +333,6 @@ class Function:
         if rt.replicas.get(self._spec.fid) is not self._replica:  # its id may name another function now
             raise RuntimeError(f"{self!r} was built for a group that is closed: build it again with "
                                "synk.function() after synk.fork()")
-
-    def _gather(self, rt: Runtime, own: list[np.ndarray] | None, plan: calls.CallPlan) -> Any:
-        """The combined outputs, from the master's share and the workers' replies (``own`` None:
-        every rank replied numbers, :func:`synkhronos.calls.reply`)."""
-        if own is None:
-            dtypes = self._replica.value_dtypes(plan.subset)
-            assert dtypes is not None
-            if not dtypes:
-                return self._shape([], plan)
-            parts = rt.group.replied_values()[:, :1 + len(dtypes)].tolist()
-            numbers = combine_numbers(self._replica.output_ops(plan.subset), parts)
-            return self._shape([np.asarray(v, dtype=d) for v, d in zip(numbers, dtypes)], plan)
-        shares = rt.group.replies(copy=False)  # views: combined into new arrays below
-        shares[rt.rank] = own
-        ordered = [shares[r] for r in range(rt.size)]
-        weights = [float(s[0]) for s in ordered]
-        results = []
-        for i, op in enumerate(self._replica.output_ops(plan.subset), 1):
-            values = [s[i] if len(s) > 1 else _EMPTY for s in ordered]
-            out = combine(op, values, weights, what=f"output {i - 1}")
-            if out is not values[rt.rank] and any(out is v for v in values):
-                out = out.copy()  # a worker's lone part, returned as it is, is a view of its buffer
-            results.append(out)
-        return self._shape(results, plan)
 
     def _shape(self, results: list[Any], plan: calls.CallPlan) -> Any:
         """What a call returns: the one output, the list, or None without outputs."""
@@ -625,9 +640,19 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
                         precision=policy)
     replica = Replica(spec, rt.device)
     if replica.has_collectives:
-        from synkhronos.ops import check_group
+        from synkhronos.ops import check_group, divergent_gradients
 
         check_group(replica.collectives, rt.size)
+        divergent = divergent_gradients([*outs, *(e for _, e in pairs)]) if rt.size > 1 else []
+        if divergent:
+            raise DivergentGradientError(
+                f"this graph differentiates through {', '.join(divergent)} of a value that reads shared variables, "
+                "starting from a cost that is the same on every rank: each rank would get its own gradient "
+                f"(times {rt.size}), and a replicated variable updated from it would differ between the ranks. "
+                "Differentiate each rank's own loss and all-reduce the gradient instead: "
+                "ops.all_reduce(pytensor.grad(loss_local, w), 'sum') (or 'avg' for a mean loss), or differentiate "
+                "the all-reduce of a scalar loss: pytensor.grad(ops.all_reduce(loss_local, 'avg'), w); see "
+                "'Gradients' in synkhronos.ops")
     used = set(replica.full().get_shared())
     for var in sliceable:
         if var not in used:

@@ -61,6 +61,35 @@ Gradients
 A rank without rows gets a zero gradient.  Second derivatives through these ops are not
 implemented.
 
+The rule for replicated variables (JAX's ``shard_map`` ``check_vma`` semantics, jax#3970): a
+shared variable ``w`` is the same on every rank, so its gradient must be too.
+
+* Exact (the form to use): differentiate each rank's own loss, all-reduce the gradient::
+
+      g = ops.all_reduce(pytensor.grad(loss_local, w), "avg")   # loss_local: a mean over this rank's rows
+      # every rank: the full-batch gradient (weighted by rows however unevenly the batch splits)
+
+* Exact too: differentiate the all-reduced loss (a 0-d value that reads shared variables)::
+
+      g = pytensor.grad(ops.all_reduce(loss_local, "avg"), w)
+      # every rank: the same full-batch gradient
+
+  :func:`all_reduce` of such a scalar sees each floating shared variable through :class:`Pvary`
+  (JAX's ``pvary``: the identity, whose gradient is the all-reduce (sum) of the ranks' parts), and
+  from a cost that is the same on every rank (:func:`same_on_every_rank`) the all-reduce passes
+  the gradient on without summing it (the transpose of ``psum`` under ``check_vma``): each rank's
+  part of ``dL/dw`` is summed once, at ``w``.  ``Pvary`` leaves the graph when a function compiles.
+
+* Refused: the same through ``all_reduce`` of a non-scalar that reads shared variables::
+
+      pytensor.grad(pt.sum(ops.all_reduce(x.T.dot(err), "sum") ** 2), w)
+      # per the formulas above each rank would get n times its OWN part: the ranks would diverge
+
+  :func:`synkhronos.function` raises :class:`~synkhronos.DivergentGradientError` for such a graph
+  over several ranks (in a plain PyTensor function, one rank, it is the exact gradient).  A cost
+  that differs between ranks (a statistic all-reduced inside each rank's loss, as a synchronised
+  batch norm does) differentiates through the ops as the formulas say.
+
 Execution
 ---------
 PyTensor's default backends (C, Numba, Python) run each op's ``perform``, which calls the
@@ -160,8 +189,91 @@ def all_reduce(x: Any, op: str = "sum") -> Variable:
     The full-batch gradient from every rank's share, exactly, however the batch splits:
 
     >>> grads = [ops.all_reduce(g, "avg") for g in pytensor.grad(mean_loss, params)]  # doctest: +SKIP
+
+    Or differentiate the all-reduced loss (a 0-d ``x``): every rank gets the full-batch gradient
+    of each shared variable (see "Gradients" in :mod:`synkhronos.ops`):
+
+    >>> grads = pytensor.grad(ops.all_reduce(mean_loss, "avg"), params)            # doctest: +SKIP
     """
-    return cast(Variable, AllReduce(op)(x))
+    return cast(Variable, AllReduce(op)(_vary_replicated(x)))
+
+
+def _vary_replicated(x: Any) -> Any:
+    """A 0-d floating ``x`` (a loss) that reads shared variables and rows: ``x`` with each floating
+    shared variable ``w`` seen through :class:`Pvary` (so that ``pytensor.grad`` through the
+    all-reduce gives ``w`` the sum of every rank's part); else ``x``."""
+    import pytensor.tensor as pt
+    from pytensor.graph.basic import Constant
+    from pytensor.graph.replace import clone_replace
+
+    x = pt.as_tensor_variable(x)
+    if x.type.ndim != 0 or np.dtype(x.type.dtype).kind != "f":
+        return x
+    roots = _graph_inputs(x)
+    shared = [v for v in roots if _is_shared(v) and np.dtype(getattr(v.type, "dtype", "O")).kind in "fc"
+              and getattr(v.type, "ndim", None) is not None]
+    varying = [v for v in roots if not _is_shared(v) and not isinstance(v, Constant)]
+    if not shared or not varying:
+        return x
+    return clone_replace(x, {w: Pvary()(w) for w in shared})
+
+
+class Pvary(Op):
+    """A replicated value (a shared variable) entering a rank's own computation, as JAX's ``pvary``:
+    the identity, whose gradient is the all-reduce (sum) of the ranks' gradients.  :func:`all_reduce`
+    of a loss puts it in; it leaves the graph when a function compiles (``pytensor.grad`` has seen it
+    then), so the loss and its all-reduced form share one computation."""
+
+    __props__ = ()
+    view_map = {0: [0]}
+
+    def make_node(self, x: Any) -> Apply:  # type: ignore[override]
+        import pytensor.tensor as pt
+
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node: Apply, inputs: Sequence[Any], output_storage: list[list[Any]]) -> None:
+        output_storage[0][0] = inputs[0]
+
+    def infer_shape(self, *args: Any) -> list[Any]:
+        return [args[-1][0]]
+
+    def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
+        return [AllReduce("sum")(output_grads[0])]
+
+
+def _has_pvary(x: Any) -> bool:
+    try:
+        from pytensor.graph.traversal import applys_between
+    except ImportError:  # PyTensor < 3.3
+        from pytensor.graph.basic import applys_between  # type: ignore[no-redef]
+
+    return any(isinstance(node.op, Pvary) for node in applys_between(_graph_inputs(x), [x]))
+
+
+def _graph_inputs(x: Any) -> list[Any]:
+    try:
+        from pytensor.graph.traversal import graph_inputs
+    except ImportError:  # PyTensor < 3.3
+        from pytensor.graph.basic import graph_inputs  # type: ignore[no-redef]
+
+    return list(graph_inputs([x]))
+
+
+def _register_pvary_removal() -> None:
+    """:class:`Pvary` is the identity once the gradients are built: every compiled function drops it."""
+    from pytensor.graph.rewriting.basic import node_rewriter
+    from pytensor.tensor.rewriting.basic import register_canonicalize
+
+    @node_rewriter([Pvary])
+    def remove_pvary(fgraph: Any, node: Apply) -> list[Any]:
+        return [node.inputs[0]]
+
+    register_canonicalize(remove_pvary, name="synk_remove_pvary")
+
+
+_register_pvary_removal()
 
 
 def all_gather(x: Any, axis: int = 0) -> Variable:
@@ -368,27 +480,39 @@ class AllReduce(Collective):
         return ctx.group.all_reduce(part, "sum" if self.op == "avg" else self.op)
 
     def pullback(self, inputs: Sequence[Any], outputs: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
-        import pytensor.tensor as pt
         from pytensor import config
 
         (x,), (y,), (g,) = inputs, outputs, output_grads
         if np.dtype(x.type.dtype).kind not in "fc":
             return [x.zeros_like(dtype=config.floatX)]
-        summed: Any = AllReduce("sum")(g)
+        if same_on_every_rank(g):
+            if _has_pvary(x):  # the gradient of the ranks' one cost: each rank's part; Pvary sums them
+                return [self._pullback(x, y, g, g)]
+            if _reads_shared(x):
+                grad = self._pullback(x, y, g)
+                grad.tag.synk_divergent = f"all_reduce(..., {self.op!r})"  # refused by synkhronos.function
+                return [grad]
+        return [self._pullback(x, y, g)]
+
+    def _pullback(self, x: Any, y: Any, g: Any, summed: Any = None) -> Any:
+        import pytensor.tensor as pt
+
+        if summed is None:
+            summed = AllReduce("sum")(g)
         share: Any = WeightShare(g.type.dtype)()
         if self.op == "avg":
-            return [summed * share]
+            return summed * share
         active = pt.gt(share, 0)
         if self.op == "sum":
-            return [pt.switch(active, summed, pt.zeros_like(summed))]
+            return pt.switch(active, summed, pt.zeros_like(summed))
         if self.op in ("max", "min"):
-            return [pt.switch(pt.and_(active, pt.eq(x, y)), summed, pt.zeros_like(summed))]
+            return pt.switch(pt.and_(active, pt.eq(x, y)), summed, pt.zeros_like(summed))
         zero = pt.eq(x, 0)  # prod: the product of the others, exact where some values are zero
         nonzero = pt.switch(zero, pt.ones_like(x), x)
         zeros_elsewhere = pt.gt(AllReduce("sum")(pt.cast(zero, "int64")) - pt.cast(zero, "int64"), 0)
         product: Any = AllReduce("prod")(nonzero)
         others = pt.switch(zeros_elsewhere, pt.zeros_like(x), product / nonzero)
-        return [pt.switch(active, summed * others, pt.zeros_like(summed))]
+        return pt.switch(active, summed * others, pt.zeros_like(summed))
 
     def in_program(self, axis_name: str, node: Apply, counts: Sequence[int] | None = None) -> Callable[..., Any]:
         import jax
@@ -417,6 +541,58 @@ class AllReduce(Collective):
             return lambda x: lax.pmin(x, axis_name)
         # prod: every rank's value, multiplied in rank order (exact, as the host path does)
         return lambda x: jnp.prod(lax.all_gather(x, axis_name), axis=0).astype(x.dtype)
+
+
+def same_on_every_rank(var: Any) -> bool:
+    """Whether ``var`` holds the same value in every rank by construction (JAX's *invariant*
+    values): built only from shared variables, constants and the results of :func:`all_reduce`,
+    :func:`all_gather` and :func:`broadcast` (a ``fill``/``ones_like``'s value is its fill value).
+    The gradient that ``pytensor.grad`` starts from a cost is such a value when the cost is."""
+    from pytensor.graph.basic import Constant
+    from pytensor.scalar.basic import Second
+    from pytensor.tensor.elemwise import Elemwise
+
+    seen: set[int] = set()
+    stack = [var]
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        node = v.owner
+        if node is None:
+            if isinstance(v, Constant) or _is_shared(v):
+                continue
+            return False
+        if isinstance(node.op, (AllReduce, AllGather, Broadcast)):
+            continue
+        if isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, Second):
+            stack.append(node.inputs[1])
+            continue
+        stack.extend(node.inputs)
+    return True
+
+
+def _is_shared(v: Any) -> bool:
+    from pytensor.compile.sharedvalue import SharedVariable
+
+    return isinstance(v, SharedVariable)
+
+
+def _reads_shared(x: Any) -> bool:
+    return any(_is_shared(v) for v in _graph_inputs(x))
+
+
+def divergent_gradients(variables: Iterable[Any]) -> list[str]:
+    """The in-graph collectives through which ``pytensor.grad`` went in a form that is not exact
+    over several ranks, found among the ancestors of ``variables`` (see "Gradients" above)."""
+    try:
+        from pytensor.graph.traversal import ancestors
+    except ImportError:  # PyTensor < 3.3
+        from pytensor.graph.basic import ancestors  # type: ignore[no-redef]
+
+    return sorted({v.tag.synk_divergent for v in ancestors(list(variables))
+                   if getattr(v.tag, "synk_divergent", None)})
 
 
 class AllGather(Collective):
@@ -862,6 +1038,7 @@ def _register_jax() -> None:
     from pytensor.link.jax.dispatch import jax_funcify
 
     jax_funcify.register(Collective)(_jax_function)
+    jax_funcify.register(Pvary)(lambda op, **kwargs: lambda x: x)
 
 
 def _register_numba() -> None:

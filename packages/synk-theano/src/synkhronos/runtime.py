@@ -11,19 +11,21 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from synk_comm import Group
 from synk_comm.cores import env_cores
 from synk_shm import Data
 from synkhronos.device import Device
+from synkhronos.inflight import Window
 
 if TYPE_CHECKING:
     from pytensor.compile.sharedvalue import SharedVariable
 
+    from synkhronos.engines.base import Engine
     from synkhronos.replica import Replica
 
-__all__ = ["Runtime", "get_runtime", "current", "rank_runtime"]
+__all__ = ["Runtime", "get_runtime", "current", "rank_runtime", "settled"]
 
 log = logging.getLogger("synkhronos")
 
@@ -37,10 +39,14 @@ class Runtime:
     (``size`` counts the compute ranks; the master's ``rank`` is -1).
     """
 
-    def __init__(self, group: Group, device: Device, engine: Any = None) -> None:
+    def __init__(self, group: Group, device: Device, engine: Any = None, driver: Engine | None = None) -> None:
         self.group = group
         self.device = device
         self.engine = engine
+        self.driver: Engine = cast("Engine", driver)
+        self.window = Window()
+        """The master's calls in flight (:mod:`synkhronos.inflight`)."""
+        """The master's :class:`~synkhronos.engines.base.Engine` (None in a worker)."""
         offset = 0 if engine is None else 1
         # A group that spans hosts (synk_comm.net): this host's group ranks are the span's from span_offset.
         self.rank = group.rank + getattr(group, "span_offset", 0) - offset
@@ -77,6 +83,14 @@ def current() -> Runtime | None:
     return _runtime
 
 
+def settled() -> Runtime | None:
+    """This process's runtime once no submitted call is pending (:meth:`Window.drain`), or None."""
+    rt = _runtime
+    if rt is not None:
+        rt.window.drain()
+    return rt
+
+
 def set_current(rt: Runtime | None) -> None:
     global _runtime
     _runtime = rt
@@ -86,6 +100,8 @@ def get_runtime() -> Runtime:
     """This process's runtime; RuntimeError that says what to do if there is none."""
     if _runtime is None:
         raise RuntimeError("Synkhronos is not forked: call synk.fork() first (or again, after synk.close())")
+    if _runtime.window._pending:  # every operation comes after the calls submitted before it
+        _runtime.window.drain()
     if _runtime.group.closed:
         raise RuntimeError("the Synkhronos group is closed (a worker died, or close() was called): "
                            "call synk.close() and synk.fork() again")

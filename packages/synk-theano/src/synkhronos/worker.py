@@ -14,8 +14,9 @@ import os
 
 from synk_comm import Group, handler
 from synkhronos import calls, chain, collectives, data_registry, distribution  # noqa: F401 - register handlers
-from synkhronos.engine import worker as _engine_worker  # noqa: F401 - register the engine's handlers
-from synkhronos.function import CALL
+from synkhronos.engine import collectives as _engine_collectives  # noqa: F401 - register the engine's handlers
+from synkhronos.engine import worker as _engine_worker  # noqa: F401
+from synkhronos.protocol import CALL
 from synkhronos.runtime import rank_runtime
 
 __all__: list[str] = []

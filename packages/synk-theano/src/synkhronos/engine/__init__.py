@@ -39,7 +39,11 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CALL", "COLLECT", "ENGINES", "ENV", "JOIN", "PER_RANK", "PROGRAM", "RESHAPED", "VALUE", "choose"]
+from synkhronos.errors import NotOneProgramError
+from synkhronos.protocol import ENGINE_CALL, ENGINE_COLLECT, ENGINE_JOIN, ENGINE_VALUE
+
+__all__ = ["CALL", "COLLECT", "ENGINES", "ENV", "JOIN", "NotOneProgramError", "PER_RANK", "PROGRAM", "RESHAPED",
+           "VALUE", "choose"]
 
 ENGINES = ("ranks", "jax")
 """``"jax"``: one program over every rank on JAX's multi-process runtime (this package), GPU mode's
@@ -51,10 +55,10 @@ in ``benchmarks/RESULTS.md``); its values move between ranks through host shared
 ENV = "SYNK_ENGINE"
 
 # The commands between the master (engine.master) and the workers (engine.worker, their handlers).
-JOIN = "synkhronos.engine.join"
-CALL = "synkhronos.engine.call"
-VALUE = "synkhronos.engine.value"
-COLLECT = "synkhronos.engine.collect"
+JOIN = ENGINE_JOIN
+CALL = ENGINE_CALL
+VALUE = ENGINE_VALUE
+COLLECT = ENGINE_COLLECT
 PROGRAM = 1
 """A call's reply form: it ran as one program; compute rank 0 carries the combined outputs."""
 PER_RANK = 0
@@ -80,10 +84,3 @@ def choose(engine: str | None, use_gpu: bool = False) -> str:
         raise ValueError(f"{source}={name!r} is not an engine: use one of {', '.join(map(repr, ENGINES))}")
     return name
 
-
-class NotOneProgramError(ValueError):
-    """A call of a function with in-graph collectives (:mod:`synkhronos.ops`) that cannot run as one
-    program over the ranks (uneven shares with sliceable shared variables, a random generator,
-    ``batch_s`` other than equal windows, ...; uneven shares alone run as one program): raised in
-    the master before any worker acts, so a caller may run the step another way (as
-    ``synk_lasagne``'s train function does, through its chain)."""

@@ -29,7 +29,7 @@ from synkhronos.engine.phases import PHASES
 from synkhronos.engine.program import STACKED, _output_form, fit_reason, per_rank_reason, shares
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
-from synkhronos.runtime import Runtime, current
+from synkhronos.runtime import Runtime, settled
 
 __all__ = ["Orchestrator", "call", "device_memory", "read_value", "settle", "write_value"]
 
@@ -183,7 +183,7 @@ def _log_per_rank(rt: Runtime, rep: Replica, reason: str | None) -> None:
 
 
 def _engine_runtime() -> Runtime | None:
-    rt = current()
+    rt = settled()
     if rt is None or rt.engine is None or rt.group.closed:
         return None
     return rt

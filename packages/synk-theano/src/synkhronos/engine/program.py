@@ -46,6 +46,7 @@ from synkhronos import precision
 from synkhronos.calls import NONE, CallPlan
 from synkhronos.engine.phases import PHASES
 from synkhronos.engine.segments import Segment, from_rows, split
+from synkhronos.errors import ShapesDiffer
 from synkhronos.ops import without_empty_collective
 from synkhronos.replica import Replica
 
@@ -61,13 +62,6 @@ AXIS = "ranks"
 
 STACKED = "stacked"
 """How an output leaves the program when the master combines it (see the module docstring)."""
-
-
-class ShapesDiffer(ValueError):
-    """Raised when tracing an uneven call's program: an output (or updated value) has other shapes
-    in the branches than its op can combine (a ``sum`` of rows that follow the row count, say).
-    Every rank finds it alike; the call then runs per rank, where the master's combine raises the
-    user's ValueError (:func:`synkhronos.reduce_ops.common_shape`)."""
 
 
 def per_rank_reason(rep: Replica, plan: CallPlan) -> str | None:

@@ -1,0 +1,169 @@
+"""Calls in flight (:meth:`synkhronos.Function.submit`, :mod:`synkhronos.inflight`): futures give
+what synchronous calls give, in order against every other operation; a failing call cancels the
+calls queued behind it and leaves the group usable; a worker killed with calls in flight fails
+them within seconds, leaving no worker and no shared memory behind (the ``ranks`` fixture checks
+both when it closes)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from synk_testutil import worker_pids
+
+import synkhronos as synk
+from synkhronos import ops
+from synkhronos.inflight import Window
+from synkhronos.runtime import current
+
+FLOAT = pytensor.config.floatX
+
+
+@contextlib.contextmanager
+def wide_window(depth: int = 8) -> Iterator[Window]:
+    """The running group's window replaced by a deeper one, so that a test can queue calls behind a
+    gate (a first item that waits for an event) without blocking its own thread."""
+    rt = current()
+    old, rt.window = rt.window, Window(depth)
+    try:
+        yield rt.window
+    finally:
+        rt.window.close()
+        rt.window = old
+
+
+def _gated(window: Window) -> threading.Event:
+    gate = threading.Event()
+    window.submit(lambda: gate.wait(30))
+    return gate
+
+
+def _train_step(w: pt.sharedvar.SharedVariable) -> synk.Function:
+    x, y = pt.matrix("x"), pt.vector("y")
+    loss = pt.mean((x.dot(w) - y) ** 2)
+    update = w - 0.05 * ops.all_reduce(pytensor.grad(loss, w), "avg")
+    return synk.function([x, y], outputs=loss, updates=[(w, update)])
+
+
+def test_futures_equal_synchronous_calls(ranks):
+    rng = np.random.default_rng(0)
+    x = synk.data(rng.normal(size=(25, 3)).astype(FLOAT))
+    y = synk.data(rng.normal(size=25).astype(FLOAT))
+    w0 = np.array([0.1, -0.2, 0.3], dtype=FLOAT)
+    w = pytensor.shared(w0.copy(), name="w")
+    step = _train_step(w)
+    batches = [np.sort(rng.choice(25, size=10, replace=False)) for _ in range(100)]
+    sync = [step(x, y, batch=b) for b in batches]
+    w_sync = [synk.get_value(r, w) for r in range(ranks)]
+    w.set_value(w0)
+    synk.broadcast(w)
+    futures = [step.submit(x, y, batch=b) for b in batches]
+    submitted = [f.result() for f in futures]
+    assert all(np.array_equal(a, b) for a, b in zip(sync, submitted))
+    for r in range(ranks):
+        assert np.array_equal(synk.get_value(r, w), w_sync[r])
+        assert np.array_equal(w_sync[r], w_sync[0])
+    # the reference: full-batch gradient descent in numpy, the same 100 steps
+    ref, xs, ys = w0.astype(np.float64), np.asarray(x.data, np.float64), np.asarray(y.data, np.float64)
+    for b in batches:
+        ref = ref - 0.05 * 2 * xs[b].T @ (xs[b] @ ref - ys[b]) / len(b)
+    np.testing.assert_allclose(w_sync[0], ref, rtol=1e-4 if FLOAT == "float32" else 1e-9)
+
+
+def test_operations_come_after_pending_calls(ranks):
+    c = pytensor.shared(np.zeros(2, dtype=FLOAT), name="c")
+    x = pt.matrix("x")
+    inc = synk.function([x], outputs=(x.sum(), "sum"), updates=[(c, c + 1)])
+    ones = synk.data(np.ones((6, 2), dtype=FLOAT))
+    with wide_window() as window:
+        gate = _gated(window)
+        pending = [inc.submit(ones) for _ in range(5)]
+        gate.set()
+        got = [synk.get_value(r, c) for r in range(ranks)]  # waits for the five calls
+        assert all(f.done() for f in pending)
+        assert all(np.array_equal(v, np.full(2, 5.0)) for v in got)
+        pending = [inc.submit(ones) for _ in range(3)]
+        synk.all_reduce(c, "sum")  # after the three: every rank holds 8, summed over the ranks
+        assert np.array_equal(synk.get_value(0, c), np.full(2, 8.0 * ranks))
+        synk.set_value(0, c, np.zeros(2, dtype=FLOAT))
+        synk.broadcast(c)
+        gate = _gated(window)
+        early = inc.submit(ones)
+        ones.set_value(np.full((6, 2), 2.0, dtype=FLOAT))  # waits for ``early``, which reads the old rows
+        gate.set()
+        assert float(early.result()) == 12.0
+        assert float(inc(ones)) == 24.0
+        assert np.array_equal(synk.get_value(ranks - 1, c), np.full(2, 2.0))
+
+
+def test_a_failing_call_cancels_the_queue_and_leaves_the_group_usable(ranks):
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=(x.sum(axis=0), "sum"))
+    d = synk.data(np.arange(12, dtype=FLOAT).reshape(6, 2))
+    with pytest.raises(ValueError) as sync_error:
+        f(d, batch=[0, 99])
+    with wide_window() as window:
+        gate = _gated(window)
+        before = [f.submit(d) for _ in range(2)]
+        bad = f.submit(d, batch=[0, 99])
+        after = [f.submit(d, batch=2) for _ in range(3)]
+        gate.set()
+        expected = np.arange(12).reshape(6, 2).sum(axis=0)
+        assert all(np.array_equal(b.result(), expected) for b in before)
+        with pytest.raises(ValueError) as error:
+            bad.result()
+        assert type(error.value) is type(sync_error.value) and str(error.value) == str(sync_error.value)
+        for a in after:
+            with pytest.raises(CancelledError) as cancelled:
+                a.result()
+            assert cancelled.value.__cause__ is error.value
+        assert np.array_equal(f.submit(d, batch=2).result(), np.array([2.0, 4.0]))
+    assert np.array_equal(f(d), expected)
+
+
+def test_max_in_flight_is_checked_and_bounds_the_window():
+    with pytest.raises(ValueError, match="max_in_flight"):
+        Window(0)
+    window = Window(2)
+    gate = threading.Event()
+    started = [window.submit(gate.wait) for _ in range(2)]
+    blocked = threading.Thread(target=lambda: window.submit(lambda: None))
+    blocked.start()
+    blocked.join(0.2)
+    assert blocked.is_alive() and window.pending == 2  # submit waits while two are pending
+    gate.set()
+    blocked.join(10)
+    assert not blocked.is_alive() and all(f.result() for f in started)
+    window.close()
+
+
+def test_worker_killed_with_calls_in_flight(ranks):
+    """Last in the module: it ends the group (the fixture then checks that no worker process and
+    no shared-memory object is left)."""
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=(x.sum(), "sum"))
+    d = synk.data(np.ones((8, 2), dtype=FLOAT))
+    assert float(f(d)) == 16.0
+    with wide_window() as window:
+        gate = _gated(window)
+        pending = [f.submit(d) for _ in range(4)]
+        os.kill(worker_pids()[-1], signal.SIGKILL)
+        t0 = time.monotonic()
+        gate.set()
+        with pytest.raises(synk.WorkerDiedError):
+            pending[0].result(timeout=5)
+        for p in pending[1:]:
+            with pytest.raises(CancelledError):
+                p.result(timeout=5)
+        assert time.monotonic() - t0 < 5
+    with pytest.raises(RuntimeError, match="closed"):
+        f.submit(d)
