@@ -14,6 +14,8 @@ traceback), :class:`WorkerDiedError` (a worker process ended) or :class:`GroupBr
                                    program
 :class:`DivergentGradientError`    a gradient through an in-graph collective that would leave the
                                    ranks with different values of a replicated variable
+:class:`SplitError`                a PyMC model term that :func:`synkhronos.pymc.data_parallel`
+                                   cannot split over the ranks exactly
 =================================  ================================================================
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from synk_comm import GroupBrokenError, WorkerDiedError, WorkerError  # noqa: F401 - the ranks' errors, here too
 
-__all__ = ["DivergentGradientError", "NotOneProgramError", "SelectionError", "ShapesDiffer"]
+__all__ = ["DivergentGradientError", "NotOneProgramError", "SelectionError", "ShapesDiffer", "SplitError"]
 """This module's own exceptions (the ranks' errors, :mod:`synk_comm`'s, are imported here too)."""
 
 
@@ -49,3 +51,8 @@ class ShapesDiffer(ValueError):
     (or updated value) has other shapes in the branches than its op can combine (a ``sum`` of rows
     that follow the row count, say).  Every rank finds it alike; the call then runs per rank, where
     the master's combine raises the user's ValueError (:func:`synkhronos.reduce_ops.common_shape`)."""
+
+
+class SplitError(ValueError):
+    """A PyMC model (or one of its likelihood terms) that :func:`synkhronos.pymc.data_parallel` cannot
+    split over the ranks exactly; the message names the term.  Raised before anything runs."""

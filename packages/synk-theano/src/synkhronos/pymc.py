@@ -53,13 +53,11 @@ from typing import Any
 
 import numpy as np
 
+from synkhronos.errors import SplitError
+
 __all__ = ["SplitError", "data_parallel"]
 
 _log = logging.getLogger(__name__)
-
-
-class SplitError(ValueError):
-    """A model (or one of its likelihood terms) that :func:`data_parallel` cannot split exactly."""
 
 
 _SPLITS: dict[int, _Split] = {}
