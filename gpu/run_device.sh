@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | inflight | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -198,6 +198,21 @@ if [ "$what" = tiny16 ]; then
     PYTHONPATH=$(tree_path "$tree") CUDA_VISIBLE_DEVICES= PYTENSOR_FLAGS= timeout 150 python3 tools/probe_tiny_call.py \
       --ranks 2,16 2>&1 | tee -a "$OUT/probe_tiny_16cores.log" || status=1
   done
+fi
+# Calls in flight on every GPU: the GPU-marker suites, the engine's one-GPU tests and the submit /
+# gradient-rule / precision scenarios in GPU mode, then bench_gpu's all-reduce, tiny call and TF32 step
+# with synchronous calls and with 2 calls in flight (SYNK_BENCH_IN_FLIGHT), side by side in one call
+if [ "$what" = inflight ]; then
+  T=packages/synk-theano/tests
+  for suite in packages/synk-comm/tests/test_comm_gpu.py $T/test_synk_gpu.py; do
+    timeout 150 python3 -m pytest -p no:cacheprovider -q -m gpu "$suite" 2>&1 | tail -n 2 | tee -a "$OUT/gpu_tests.log" || status=1
+  done
+  SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 200 python3 -m pytest -p no:cacheprovider -q -rs \
+    $T/test_synk_inflight.py $T/test_synk_gradient_rule.py $T/test_synk_precision.py $T/test_synk_engine_gpu.py 2>&1 \
+    | tail -n 15 | tee "$OUT/gpu_inflight_tests.log" || status=1
+  SYNK_BENCH_PARTS=allreduce,tiny,tf32 timeout 200 python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu_sync.log" || status=1
+  SYNK_BENCH_PARTS=tf32 SYNK_BENCH_IN_FLIGHT=2 timeout 150 python3 benchmarks/bench_gpu.py 2>&1 \
+    | tee "$OUT/bench_gpu_inflight.log" || status=1
 fi
 # The training step on every GPU against hand-written JAX and DDP, under XLA flag variants, then
 # where the engine's step spends its host time (tools/probe_gpu_step.py)
