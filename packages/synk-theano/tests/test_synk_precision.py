@@ -79,7 +79,8 @@ def test_bf16_transform_rewrites_every_float32_product():
         if dtypes == {np.dtype(np.int32)}:
             continue
         assert dtypes == {np.dtype(jnp.bfloat16)}, eqn
-        assert eqn.outvars[0].aval.dtype == np.float32
+        assert eqn.outvars[0].aval.dtype == jnp.bfloat16  # an activation: bfloat16 (float32 accumulation inside)
+    assert [v.aval.dtype for v in closed.jaxpr.outvars] == [np.float32, np.float32, np.int32]
     want = jax.jit(structured, static_argnums=2)(x, w, 3)
     got = jax.jit(f, static_argnums=2)(x, w, 3)
     for a, b in zip(got, want):

@@ -134,10 +134,32 @@ def _core() -> Any:
     return core
 
 
-def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str) -> list[Any]:
-    """``jaxpr`` evaluated on ``args`` (binding on the current trace), its products under ``policy``."""
-    Literal = _core().Literal
+_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
+                      "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+"""Primitives whose body ``"bf16"`` evaluates in place, so that bfloat16 values flow through them
+(a custom derivative rule is not kept: see :func:`apply`)."""
 
+_BF16_OPS = frozenset({
+    # arithmetic whose relative error stays that of its operands
+    "add", "sub", "mul", "div", "neg", "abs", "sign", "max", "min", "clamp", "square", "integer_pow",
+    "tanh", "logistic", "floor", "ceil", "round", "select_n", "eq", "ne", "lt", "le", "gt", "ge",
+    "is_finite", "copy", "copy_p", "convert_element_type", "stop_gradient",
+    # data movement
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice",
+    "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "select_and_gather_add",
+    # exact in any precision: max/min pooling
+    "reduce_window_max", "reduce_window_min",
+})
+"""Primitives that ``"bf16"`` runs in bfloat16 where their float operands are bfloat16 (or small
+float32 values); every other primitive gets float32 operands (see the module docstring)."""
+
+
+def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str, cast_outputs: bool = True) -> list[Any]:
+    """``jaxpr`` evaluated on ``args`` (binding on the current trace) under ``policy``; with
+    ``cast_outputs`` its results have the jaxpr's dtypes (``"bf16"`` keeps bfloat16 values inside)."""
+    import jax.numpy as jnp
+
+    Literal = _core().Literal
     env: dict[Any, Any] = {}
 
     def read(var: Any) -> Any:
@@ -147,40 +169,116 @@ def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str) -> list[Any]:
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in _PRODUCTS:
-            outvals: Any = _product(eqn, invals, policy)
+        name = eqn.primitive.name
+        if name in _PRODUCTS:
+            outvals: Any = [_product(eqn, invals, policy)]
+        elif policy == "bf16" and name in _INLINED:
+            outvals = _inline(eqn, invals, policy)
+        elif policy == "bf16" and any(_is_bf16(x) for x in invals):
+            outvals = _mixed(eqn, invals, policy)
         else:
-            params = {k: _rewritten(v, policy) for k, v in eqn.params.items()}
-            bind_params = eqn.primitive.get_bind_params(params)
-            subfuns: Any = ()
-            if isinstance(bind_params, tuple):  # jax < 0.7: (sub-functions, parameters)
-                subfuns, bind_params = bind_params
-            ctx = getattr(eqn, "ctx", None)
-            with ctx.manager if ctx is not None else contextlib.nullcontext():
-                outvals = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-        if not eqn.primitive.multiple_results:
-            outvals = [outvals]
+            outvals = _bind(eqn, invals, policy)
         for var, val in zip(eqn.outvars, outvals):
             if type(var).__name__ != "DropVar":
                 env[var] = val
-    return [read(v) for v in jaxpr.outvars]
+    outs = [read(v) for v in jaxpr.outvars]
+    if cast_outputs:
+        outs = [x.astype(v.aval.dtype) if _is_bf16(x) and jnp.dtype(v.aval.dtype) != jnp.bfloat16 else x
+                for x, v in zip(outs, jaxpr.outvars)]
+    return outs
+
+
+def _bind(eqn: Any, invals: list[Any], policy: str) -> list[Any]:
+    """``eqn``'s primitive bound on ``invals``, the jaxprs of its parameters rewritten under ``policy``."""
+    params = {k: _rewritten(v, policy) for k, v in eqn.params.items()}
+    bind_params = eqn.primitive.get_bind_params(params)
+    subfuns: Any = ()
+    if isinstance(bind_params, tuple):  # jax < 0.7: (sub-functions, parameters)
+        subfuns, bind_params = bind_params
+    ctx = getattr(eqn, "ctx", None)
+    with ctx.manager if ctx is not None else contextlib.nullcontext():
+        outvals = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return outvals if eqn.primitive.multiple_results else [outvals]
+
+
+def _is_bf16(value: Any) -> bool:
+    import jax.numpy as jnp
+
+    return getattr(value, "dtype", None) == jnp.bfloat16
+
+
+def _inline(eqn: Any, invals: list[Any], policy: str) -> list[Any]:
+    """A call-like equation (``jit``, ``remat``, ``custom_jvp_call``...): its body, evaluated in place."""
+    ClosedJaxpr = _core().ClosedJaxpr
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr")))
+    if isinstance(body, ClosedJaxpr):
+        return _eval(body.jaxpr, body.consts, invals, policy, cast_outputs=False)
+    if body is None or body.constvars:
+        return _bind(eqn, _upcast(eqn, invals), policy)
+    return _eval(body, (), invals, policy, cast_outputs=False)
+
+
+def _upcast(eqn: Any, invals: list[Any]) -> list[Any]:
+    """``invals`` with their bfloat16 values back at the equation's own dtypes (float32)."""
+    return [x.astype(v.aval.dtype) if _is_bf16(x) else x for x, v in zip(invals, eqn.invars)]
+
+
+def _mixed(eqn: Any, invals: list[Any], policy: str) -> list[Any]:
+    """An equation some of whose operands are bfloat16 activations, under ``"bf16"``.
+
+    A primitive of :data:`_BF16_OPS` runs in bfloat16 where its other float32 operands are small
+    (literals, scalars, weak-typed values: rounded to bfloat16), or computes in float32 and rounds
+    its result to bfloat16 where they are smaller than the result (broadcast per-channel statistics,
+    biases, scales), or computes in float32 where one is a float32 array of the result's size (a
+    parameter, optimizer state).  Any other primitive computes in float32.
+    """
+    import jax.numpy as jnp
+
+    name = eqn.primitive.name
+    if name not in _BF16_OPS:
+        return _bind(eqn, _upcast(eqn, invals), policy)
+    if name == "convert_element_type":
+        if jnp.dtype(eqn.params["new_dtype"]) == jnp.float32:
+            return [invals[0]]  # a float32 -> float32 conversion (weak type): the activation stays bfloat16
+        return _bind(eqn, _upcast(eqn, invals), policy)
+    size = max(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
+    Literal = _core().Literal
+    kind = "bf16"
+    for var, x in zip(eqn.invars, invals):
+        if getattr(x, "dtype", None) != jnp.float32:
+            continue
+        if isinstance(var, Literal) or np.ndim(x) == 0 or getattr(var.aval, "weak_type", False):
+            continue
+        if int(np.prod(np.shape(x))) < size:
+            kind = "f32-rounded" if kind == "bf16" else kind
+        else:
+            kind = "f32"
+    if kind == "f32":
+        return _bind(eqn, _upcast(eqn, invals), policy)
+    if kind == "f32-rounded":
+        outs = _bind(eqn, _upcast(eqn, invals), policy)
+        return [y.astype(jnp.bfloat16) if getattr(y, "dtype", None) == jnp.float32 else y for y in outs]
+    down = [x.astype(jnp.bfloat16) if getattr(x, "dtype", None) == jnp.float32 else x for x in invals]
+    return _bind(eqn, down, policy)
 
 
 def _product(eqn: Any, invals: list[Any], policy: str) -> Any:
     """One ``dot_general``/``conv_general_dilated`` under ``policy``: float32 operands as bfloat16
-    accumulating in float32 (``"bf16"``), or at ``Precision.HIGHEST`` (``"highest"``)."""
+    with a bfloat16 result (``"bf16"``: the backends accumulate in float32), or at
+    ``Precision.HIGHEST`` (``"highest"``)."""
     import jax.numpy as jnp
     from jax import lax
 
     lhs, rhs = invals[:2]
     params = dict(eqn.params)
-    if not all(jnp.dtype(x.dtype) == jnp.float32 for x in (lhs, rhs)):
-        return eqn.primitive.bind(*invals, **params)
+    if not all(jnp.dtype(v.aval.dtype) == jnp.float32 for v in eqn.invars[:2]) or \
+            jnp.dtype(eqn.outvars[0].aval.dtype) != jnp.float32:
+        return eqn.primitive.bind(*_upcast(eqn, invals), **params)
     if policy == "highest":
         params["precision"] = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
     else:
         params["precision"] = None
-        params["preferred_element_type"] = jnp.dtype(eqn.outvars[0].aval.dtype)
+        params["preferred_element_type"] = jnp.dtype(jnp.bfloat16)
         lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
     return eqn.primitive.bind(lhs, rhs, *invals[2:], **params)
 
