@@ -167,6 +167,7 @@ def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str, cast_outputs: b
 
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
+    small: set[Any] = set()  # float32 values made of fewer values than they hold (broadcasts, constants)
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
@@ -175,9 +176,11 @@ def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str, cast_outputs: b
         elif policy == "bf16" and name in _INLINED:
             outvals = _inline(eqn, invals, policy)
         elif policy == "bf16" and any(_is_bf16(x) for x in invals):
-            outvals = _mixed(eqn, invals, policy)
+            outvals = _mixed(eqn, invals, policy, small)
         else:
             outvals = _bind(eqn, invals, policy)
+            if policy == "bf16" and _makes_small(eqn, invals, small):
+                small.update(eqn.outvars)
         for var, val in zip(eqn.outvars, outvals):
             if type(var).__name__ != "DropVar":
                 env[var] = val
@@ -218,19 +221,40 @@ def _inline(eqn: Any, invals: list[Any], policy: str) -> list[Any]:
     return _eval(body, (), invals, policy, cast_outputs=False)
 
 
+def _is_small(var: Any, value: Any, size: int, small: set[Any]) -> bool:
+    """Whether a float32 operand of an equation whose largest result holds ``size`` values is small:
+    a literal, a scalar, weak-typed, holding fewer values, or a broadcast of fewer values."""
+    return (isinstance(var, _core().Literal) or np.ndim(value) == 0 or getattr(var.aval, "weak_type", False)
+            or int(np.prod(np.shape(value))) < size or var in small)
+
+
+def _makes_small(eqn: Any, invals: list[Any], small: set[Any]) -> bool:
+    """Whether a float32 equation without bfloat16 operands makes small values: one of
+    :data:`_BF16_OPS` (a broadcast, an element-wise op) whose float operands are all small (a
+    batch-norm statistic broadcast to an activation's shape, the constants of ReLU's gradient)."""
+    import jax.numpy as jnp
+
+    if eqn.primitive.name not in _BF16_OPS or not any(
+            jnp.dtype(getattr(v.aval, "dtype", np.int8)) == jnp.float32 for v in eqn.outvars):
+        return False
+    size = max(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
+    return all(_is_small(v, x, size, small) for v, x in zip(eqn.invars, invals)
+               if getattr(x, "dtype", None) == jnp.float32)
+
+
 def _upcast(eqn: Any, invals: list[Any]) -> list[Any]:
     """``invals`` with their bfloat16 values back at the equation's own dtypes (float32)."""
     return [x.astype(v.aval.dtype) if _is_bf16(x) else x for x, v in zip(invals, eqn.invars)]
 
 
-def _mixed(eqn: Any, invals: list[Any], policy: str) -> list[Any]:
+def _mixed(eqn: Any, invals: list[Any], policy: str, small: set[Any]) -> list[Any]:
     """An equation some of whose operands are bfloat16 activations, under ``"bf16"``.
 
-    A primitive of :data:`_BF16_OPS` runs in bfloat16 where its other float32 operands are small
-    (literals, scalars, weak-typed values: rounded to bfloat16), or computes in float32 and rounds
-    its result to bfloat16 where they are smaller than the result (broadcast per-channel statistics,
-    biases, scales), or computes in float32 where one is a float32 array of the result's size (a
-    parameter, optimizer state).  Any other primitive computes in float32.
+    A primitive of :data:`_BF16_OPS` runs in bfloat16 where its float32 operands are literals,
+    scalars or weak-typed (rounded to bfloat16); computes in float32 and rounds its result to
+    bfloat16 where they are other small values (:func:`_is_small`: broadcast per-channel
+    statistics, biases, scales, constants); computes in float32 where one is a float32 array of the
+    result's size (a parameter, optimizer state).  Any other primitive computes in float32.
     """
     import jax.numpy as jnp
 
@@ -249,7 +273,7 @@ def _mixed(eqn: Any, invals: list[Any], policy: str) -> list[Any]:
             continue
         if isinstance(var, Literal) or np.ndim(x) == 0 or getattr(var.aval, "weak_type", False):
             continue
-        if int(np.prod(np.shape(x))) < size:
+        if _is_small(var, x, size, small):
             kind = "f32-rounded" if kind == "bf16" else kind
         else:
             kind = "f32"
