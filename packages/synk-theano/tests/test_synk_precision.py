@@ -300,7 +300,8 @@ def test_bf16_computes_activations_in_bfloat16_and_keeps_state_float32():
         assert out.aval.dtype == bf16 or all(
             c.primitive.name == "convert_element_type" and c.params["new_dtype"] == bf16 for c in consumers[out]), e
     activation = (16, 8, 8, 8)
-    in_bf16 = {e.primitive.name for e in mixed if e.outvars[0].aval.dtype == bf16 and e.outvars[0].aval.shape == activation}
+    in_bf16 = {e.primitive.name for e in mixed
+               if e.outvars[0].aval.dtype == bf16 and e.outvars[0].aval.shape == activation}
     assert {"max", "mul", "neg"} <= in_bf16  # ReLU and batch norm's gradient
     # reductions and transcendentals: float32 only
     for name in ("reduce_sum", "reduce_max", "exp", "log", "rsqrt"):

@@ -273,10 +273,8 @@ def _mixed(eqn: Any, invals: list[Any], policy: str, small: set[Any]) -> list[An
             continue
         if isinstance(var, Literal) or np.ndim(x) == 0 or getattr(var.aval, "weak_type", False):
             continue
-        if _is_small(var, x, size, small):
-            kind = "f32-rounded" if kind == "bf16" else kind
-        else:
-            kind = "f32"
+        small_one = _is_small(var, x, size, small)
+        kind = "f32" if not small_one or kind == "f32" else "f32-rounded"
     if kind == "f32":
         return _bind(eqn, _upcast(eqn, invals), policy)
     if kind == "f32-rounded":
