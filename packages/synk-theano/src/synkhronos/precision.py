@@ -1,19 +1,53 @@
-"""Precision policies: how the matrix products and convolutions of a float32 graph compute.
+"""Precision policies: how a float32 graph computes.
 
-PyTensor has no bfloat16 type: users write float32 graphs.  A policy changes how the products of
-such a graph compute, not the graph: it is a transformation of the JAX function that PyTensor's
-JAX translation made (:func:`apply`), so every Op keeps its own translation.
+PyTensor has no bfloat16 type: users write float32 graphs.  A policy changes how such a graph
+computes, not the graph: it is a transformation of the JAX function that PyTensor's JAX
+translation made (:func:`apply`), so every Op keeps its own translation.
 
 =============  ===============================================================================
 ``"default"``  XLA's default: float32 products at the backend's default precision (TF32 tensor
                cores on Ampere and Hopper GPUs, float32 on CPUs).  The function is unchanged.
 ``"highest"``  Strict float32: every float32 product at ``lax.Precision.HIGHEST``.
-``"bf16"``     Every float32 ``dot_general`` and ``conv_general_dilated`` takes bfloat16
-               operands and accumulates in float32 (``preferred_element_type=float32``); its
-               result is float32.  Everything else computes as the graph says, in float32:
-               parameters, optimizer state, updates, batch-norm statistics, softmax and loss
-               reductions, and the function's outputs keep the graph's dtypes.
+``"bf16"``     Mixed precision with bfloat16 activations (as JAX's jmp policies, Keras's
+               ``mixed_bfloat16`` and PyTorch's autocast): products and convolutions, and the
+               element-wise work between them, compute and store bfloat16; reductions,
+               precision-sensitive functions, parameters, optimizer state and the function's
+               outputs stay float32.  The rules are below.
 =============  ===============================================================================
+
+The rules of ``"bf16"``, primitive by primitive (the values flowing between primitives are
+bfloat16 or float32; the function's inputs are float32):
+
+* **Products** (``dot_general``, ``conv_general_dilated``) of float32 (or bfloat16) operands take
+  bfloat16 operands and make a bfloat16 result.  The backends accumulate in float32 inside (cuBLAS
+  and cuDNN compute bfloat16 products with float32 accumulators, XLA's CPU backend upcasts); asking
+  for a float32 result (``preferred_element_type=float32``) instead keeps every activation float32
+  between products, and XLA's GPU compiler may then run the convolution in float32 altogether.
+* **Element-wise and data-movement primitives** of :data:`_BF16_OPS` (``add``, ``sub``, ``mul``,
+  ``div``, ``max``, ``tanh``, ``logistic``, ``select_n``, comparisons, reshapes, transposes,
+  slices, pads, gathers, max pooling...) with a bfloat16 operand run in bfloat16 where their other
+  float operands are literals, scalars or weak-typed (these are rounded to bfloat16: a constant
+  never upcasts an activation).  Where the other operands are *small* float32 arrays (holding fewer
+  values than the result: per-channel batch-norm statistics, biases and scales broadcast against an
+  activation, or broadcasts of constants such as ReLU's gradient mask) they compute in float32 and
+  round the result to bfloat16 at once: XLA fuses the conversions, so the stored activation is
+  bfloat16 and the arithmetic is float32's.  Where an operand is a float32 array of the result's
+  size (a parameter, a velocity: ``param - lr * grad``) they compute in float32 and make float32.
+  Division is among them: a quotient's relative error is the sum of its operands', small divisors
+  included (bfloat16 has float32's exponent range).
+* **Everything else computes in float32**, its bfloat16 operands converted back: reductions
+  (``reduce_sum``, ``reduce_max``, ``argmax``, ``cumsum``: the means and variances of batch norm,
+  softmax's and the loss's sums), transcendental and precision-sensitive functions (``exp``,
+  ``log``, ``log1p``, ``expm1``, ``pow``, ``sqrt``, ``rsqrt``, ``erf``...: they amplify their
+  operand's error or feed reductions), scatters, sorts, collectives (``psum``, callbacks: the
+  gradients are summed in float32), and any primitive this module does not name.
+* **Calls** (``jit``, ``remat``, ``custom_jvp_call``, ``custom_vjp_call``) are evaluated in place
+  with the same rules, so bfloat16 values flow through them.  **Loops and branches** (``scan``,
+  ``while``, ``cond``) and ``shard_map`` keep their float32 boundaries: their operands and carries
+  are converted back to float32 and their bodies are rewritten with the same rules inside, each
+  result converted back to its float32 type, so a carry's type never changes.
+* The function's **outputs** (losses, updated parameters, optimizer state, running statistics)
+  have the dtypes of the original function: float32.
 
 Products of other dtypes (float64, integers) are left as they are under every policy.
 
@@ -33,13 +67,14 @@ Example
 dtype('float32')
 
 How ``apply`` works: the function is traced to a jaxpr at the shapes it is called with, and the
-jaxpr is evaluated again equation by equation, each product bound anew with the policy's
-operands and parameters.  Sub-jaxprs (``jit``, ``custom_jvp_call``/``custom_vjp_call``,
-``scan``, ``while``, ``cond``, ``checkpoint``, ``shard_map``...) are rewritten the same way
-wherever they hold a product, and their primitives bound again with the rewritten jaxprs (same
-signatures, so the primitives' rules apply unchanged).  A custom derivative rule itself runs as
-written if the transformed function is differentiated by JAX afterwards (PyTensor differentiates
-the graph before it is translated, so a Synkhronos function never is).
+jaxpr is evaluated again equation by equation, each equation bound anew with the policy's operands
+and parameters.  Sub-jaxprs of loops, branches and ``shard_map`` (and, under ``"highest"``, of
+every primitive) are rewritten the same way wherever they hold a product, and their primitives
+bound again with the rewritten jaxprs (same signatures, so the primitives' rules apply unchanged).
+Under ``"bf16"`` the bodies of calls and custom-derivative functions are evaluated in place: the
+transformed function computes the same values, but differentiating it with JAX afterwards would
+differentiate those bodies rather than use their custom rules (PyTensor differentiates the graph
+before it is translated, so a Synkhronos function never is).
 """
 
 from __future__ import annotations
