@@ -23,7 +23,7 @@ bfloat16 or float32; the function's inputs are float32):
   and cuDNN compute bfloat16 products with float32 accumulators, XLA's CPU backend upcasts); asking
   for a float32 result (``preferred_element_type=float32``) instead keeps every activation float32
   between products, and XLA's GPU compiler may then run the convolution in float32 altogether.
-* **Element-wise and data-movement primitives** of :data:`_BF16_OPS` (``add``, ``sub``, ``mul``,
+* **Element-wise and data-movement primitives** of ``_BF16_OPS`` (``add``, ``sub``, ``mul``,
   ``div``, ``max``, ``tanh``, ``logistic``, ``select_n``, comparisons, reshapes, transposes,
   slices, pads, gathers, max pooling...) with a bfloat16 operand run in bfloat16 where their other
   float operands are literals, scalars or weak-typed (these are rounded to bfloat16: a constant
@@ -265,7 +265,7 @@ def _is_small(var: Any, value: Any, size: int, small: set[Any]) -> bool:
 
 def _makes_small(eqn: Any, invals: list[Any], small: set[Any]) -> bool:
     """Whether a float32 equation without bfloat16 operands makes small values: one of
-    :data:`_BF16_OPS` (a broadcast, an element-wise op) whose float operands are all small (a
+    ``_BF16_OPS`` (a broadcast, an element-wise op) whose float operands are all small (a
     batch-norm statistic broadcast to an activation's shape, the constants of ReLU's gradient)."""
     import jax.numpy as jnp
 
@@ -285,9 +285,9 @@ def _upcast(eqn: Any, invals: list[Any]) -> list[Any]:
 def _mixed(eqn: Any, invals: list[Any], policy: str, small: set[Any]) -> list[Any]:
     """An equation some of whose operands are bfloat16 activations, under ``"bf16"``.
 
-    A primitive of :data:`_BF16_OPS` runs in bfloat16 where its float32 operands are literals,
+    A primitive of ``_BF16_OPS`` runs in bfloat16 where its float32 operands are literals,
     scalars or weak-typed (rounded to bfloat16); computes in float32 and rounds its result to
-    bfloat16 where they are other small values (:func:`_is_small`: broadcast per-channel
+    bfloat16 where they are other small values (``_is_small``: broadcast per-channel
     statistics, biases, scales, constants); computes in float32 where one is a float32 array of the
     result's size (a parameter, optimizer state).  Any other primitive computes in float32.
     """
