@@ -189,6 +189,10 @@ _BF16_OPS = frozenset({
 float32 values); every other primitive gets float32 operands (see the module docstring)."""
 
 
+_JOINS = frozenset({"concatenate", "dynamic_update_slice"})
+"""Primitives whose smaller operands are data of their own (not broadcast against the others)."""
+
+
 def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str, cast_outputs: bool = True) -> list[Any]:
     """``jaxpr`` evaluated on ``args`` (binding on the current trace) under ``policy``; with
     ``cast_outputs`` its results have the jaxpr's dtypes (``"bf16"`` keeps bfloat16 values inside)."""
@@ -256,11 +260,12 @@ def _inline(eqn: Any, invals: list[Any], policy: str) -> list[Any]:
     return _eval(body, (), invals, policy, cast_outputs=False)
 
 
-def _is_small(var: Any, value: Any, size: int, small: set[Any]) -> bool:
+def _is_small(var: Any, value: Any, size: int, small: set[Any], joins: bool = False) -> bool:
     """Whether a float32 operand of an equation whose largest result holds ``size`` values is small:
-    a literal, a scalar, weak-typed, holding fewer values, or a broadcast of fewer values."""
+    a literal, a scalar, weak-typed, a broadcast of fewer values, or (unless the equation ``joins``
+    arrays: a concatenation, an update of a slice) holding fewer values."""
     return (isinstance(var, _core().Literal) or np.ndim(value) == 0 or getattr(var.aval, "weak_type", False)
-            or int(np.prod(np.shape(value))) < size or var in small)
+            or var in small or (int(np.prod(np.shape(value))) < size and not joins))
 
 
 def _makes_small(eqn: Any, invals: list[Any], small: set[Any]) -> bool:
@@ -273,7 +278,7 @@ def _makes_small(eqn: Any, invals: list[Any], small: set[Any]) -> bool:
             jnp.dtype(getattr(v.aval, "dtype", np.int8)) == jnp.float32 for v in eqn.outvars):
         return False
     size = max(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
-    return all(_is_small(v, x, size, small) for v, x in zip(eqn.invars, invals)
+    return all(_is_small(v, x, size, small, eqn.primitive.name in _JOINS) for v, x in zip(eqn.invars, invals)
                if getattr(x, "dtype", None) == jnp.float32)
 
 
@@ -308,7 +313,7 @@ def _mixed(eqn: Any, invals: list[Any], policy: str, small: set[Any]) -> list[An
             continue
         if isinstance(var, Literal) or np.ndim(x) == 0 or getattr(var.aval, "weak_type", False):
             continue
-        small_one = _is_small(var, x, size, small)
+        small_one = _is_small(var, x, size, small, name in _JOINS)
         kind = "f32" if not small_one or kind == "f32" else "f32-rounded"
     if kind == "f32":
         return _bind(eqn, _upcast(eqn, invals), policy)
