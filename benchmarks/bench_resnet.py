@@ -22,8 +22,8 @@ Precisions: ``fp32`` strict float32 (``jax_default_matmul_precision=highest``;
 ``torch.backends.cudnn.allow_tf32 = False`` and ``torch.backends.cuda.matmul.allow_tf32 =
 False``), ``tf32`` each framework's defaults (XLA: TF32 convolutions and matmuls on Hopper;
 torch: TF32 cuDNN convolutions, float32 matmuls), ``bf16`` mixed precision: ours the policy
-``precision="bf16"`` (:mod:`synkhronos.precision`: bfloat16 operands of every convolution and
-matrix product, float32 accumulation, everything else float32; plain PyTensor JAX compiled in
+``precision="bf16"`` (:mod:`synkhronos.precision`: bfloat16 activations, products accumulating
+in float32, reductions, parameters and optimizer state float32; plain PyTensor JAX compiled in
 ``precision.jax_mode("JAX", "bf16")``), torch ``torch.autocast("cuda", torch.bfloat16)`` (AMP),
 and in bf16 one more torch row: ``channels_last compile``, AMP + channels_last + ``torch.compile``.
 

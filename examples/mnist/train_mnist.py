@@ -127,8 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", default=os.path.join("out", "mnist_training.png"), help="PNG file to write")
     parser.add_argument("--seed", type=int, default=0, help="of the initial weights and the shuffling")
     parser.add_argument("--precision", choices=["default", "highest", "bf16"], default="default",
-                        help="precision policy of the products (synkhronos.precision): bf16 = bfloat16 operands, "
-                             "float32 accumulation, parameters and state float32; needs JAX")
+                        help="precision policy (synkhronos.precision): bf16 = bfloat16 activations, "
+                             "reductions, parameters and state float32; needs JAX")
     parser.add_argument("--min-accuracy", type=float, default=None,
                         help="exit with status 1 if the data-parallel test accuracy (0-1) is lower (default: "
                              "not checked)")

@@ -74,8 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mode", default=None, help="PyTensor mode (default: JAX on GPUs, PyTensor's on CPUs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["default", "highest", "bf16"], default="default",
-                        help="precision policy of the products (synkhronos.precision): bf16 = bfloat16 operands, "
-                             "float32 accumulation, parameters and state float32; needs JAX")
+                        help="precision policy (synkhronos.precision): bf16 = bfloat16 activations, "
+                             "reductions, parameters and state float32; needs JAX")
     args = parser.parse_args(argv)
     if min(args.batch_size, args.steps, args.image_size, args.width, args.classes) < 1 or args.warmup < 0:
         parser.error("--batch-size, --steps, --image-size, --width and --classes must be >= 1, --warmup >= 0")

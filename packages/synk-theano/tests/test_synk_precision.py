@@ -79,7 +79,8 @@ def test_bf16_transform_rewrites_every_float32_product():
         if dtypes == {np.dtype(np.int32)}:
             continue
         assert dtypes == {np.dtype(jnp.bfloat16)}, eqn
-        assert eqn.outvars[0].aval.dtype == np.float32
+        assert eqn.outvars[0].aval.dtype == jnp.bfloat16  # an activation: bfloat16 (float32 accumulation inside)
+    assert [v.aval.dtype for v in closed.jaxpr.outvars] == [np.float32, np.float32, np.int32]
     want = jax.jit(structured, static_argnums=2)(x, w, 3)
     got = jax.jit(f, static_argnums=2)(x, w, 3)
     for a, b in zip(got, want):
@@ -225,3 +226,104 @@ def test_outputs_keep_the_graph_dtypes_and_the_fork_default_applies(ranks):
     assert synk.function([x], out).precision == "default"
     with pytest.raises(ValueError, match="is not a JAX mode"):
         synk.function([x], out, precision="bf16", mode="NUMBA")
+
+
+# -- bfloat16 activations: a small CNN with batch norm, its training step in JAX ----------------------
+def _cnn_state():
+    rng = np.random.default_rng(5)
+    params = {"k1": (rng.standard_normal((8, 1, 3, 3)) / 3).astype(np.float32),
+              "gamma": np.ones(8, np.float32), "beta": np.zeros(8, np.float32),
+              "w": (rng.standard_normal((8 * 8 * 8, 3)) / 20).astype(np.float32), "b": np.zeros(3, np.float32)}
+    stats = {"mean": np.zeros(8, np.float32), "var": np.ones(8, np.float32)}
+    x = rng.standard_normal((16, 1, 8, 8)).astype(np.float32)
+    labels = (x.mean(axis=(1, 2, 3)) > 0).astype(np.int32) + (x[:, 0, 0, 0] > 1).astype(np.int32)
+    return params, stats, x, labels
+
+
+def _cnn_loss(params, x, labels):
+    """conv -> batch norm (batch statistics) -> ReLU -> dense -> softmax cross-entropy; the loss and the
+    batch statistics."""
+    h = lax.conv_general_dilated(x, params["k1"], (1, 1), "SAME")
+    mean, var = h.mean(axis=(0, 2, 3)), h.var(axis=(0, 2, 3))
+    h = (h - mean[None, :, None, None]) * lax.rsqrt(var + 1e-5)[None, :, None, None]
+    h = jnp.maximum(h * params["gamma"][None, :, None, None] + params["beta"][None, :, None, None], 0.0)
+    logits = h.reshape(h.shape[0], -1) @ params["w"] + params["b"]
+    logp = logits - jax.nn.logsumexp(logits, axis=1, keepdims=True)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1)), (mean, var)
+
+
+def _cnn_step(params, stats, x, labels):
+    """A plain SGD step and the running averages of the batch statistics: loss, parameters, statistics."""
+    (loss, (mean, var)), grads = jax.value_and_grad(_cnn_loss, has_aux=True)(params, x, labels)
+    params = {k: params[k] - 0.1 * grads[k] for k in params}
+    stats = {"mean": 0.9 * stats["mean"] + 0.1 * mean, "var": 0.9 * stats["var"] + 0.1 * var}
+    return loss, params, stats
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple) else (value,):
+                sub = getattr(item, "jaxpr", item)
+                if hasattr(sub, "eqns"):
+                    yield from _eqns(sub)
+
+
+def test_bf16_computes_activations_in_bfloat16_and_keeps_state_float32():
+    params, stats, x, labels = _cnn_state()
+    closed = jax.make_jaxpr(precision.apply(_cnn_step, "bf16"))(params, stats, x, labels)
+    eqns = list(_eqns(closed.jaxpr))
+    names = {e.primitive.name for e in eqns}
+    assert not names & {"jit", "pjit", "custom_jvp_call", "custom_vjp_call"}  # evaluated in place
+    out_dtype = {e.primitive.name: set() for e in eqns}
+    for e in eqns:
+        out_dtype[e.primitive.name] |= {np.dtype(v.aval.dtype) for v in e.outvars}
+    bf16 = np.dtype(jnp.bfloat16)
+    # forward and backward products (the convolution, its two gradients, the dense layer's three): bfloat16
+    products_ = [e for e in eqns if e.primitive.name in ("dot_general", "conv_general_dilated")]
+    assert len(products_) >= 5
+    assert all(e.outvars[0].aval.dtype == bf16 for e in products_)
+    assert all(v.aval.dtype == bf16 for e in products_ for v in e.invars)
+    # the activations between them (batch norm's arithmetic, ReLU, the gradient's element-wise ops): an
+    # element-wise op with a bfloat16 operand makes bfloat16, or computes in float32 and is rounded at once
+    consumers = {}
+    for e in closed.jaxpr.eqns:
+        for v in e.invars:
+            if not hasattr(v, "val"):  # a Var, not a Literal
+                consumers.setdefault(v, []).append(e)
+    mixed = [e for e in closed.jaxpr.eqns if e.primitive.name in ("add", "sub", "mul", "max", "neg", "select_n")
+             and any(getattr(v.aval, "dtype", None) == bf16 for v in e.invars)]
+    assert len(mixed) >= 6
+    for e in mixed:
+        out = e.outvars[0]
+        assert out.aval.dtype == bf16 or all(
+            c.primitive.name == "convert_element_type" and c.params["new_dtype"] == bf16 for c in consumers[out]), e
+    activation = (16, 8, 8, 8)
+    in_bf16 = {e.primitive.name for e in mixed
+               if e.outvars[0].aval.dtype == bf16 and e.outvars[0].aval.shape == activation}
+    assert {"max", "mul", "neg"} <= in_bf16  # ReLU and batch norm's gradient
+    # reductions and transcendentals: float32 only
+    for name in ("reduce_sum", "reduce_max", "exp", "log", "rsqrt"):
+        assert out_dtype[name] == {np.dtype(np.float32)}, name
+    # every result, parameter and statistic: float32
+    assert all(v.aval.dtype == np.float32 for v in closed.jaxpr.outvars)
+
+
+def test_bf16_trains_a_cnn_with_batch_norm():
+    params, stats, x, labels = _cnn_state()
+    bf16_step = jax.jit(precision.apply(_cnn_step, "bf16"))
+    f32_step = jax.jit(_cnn_step)
+    p16, s16, p32, s32 = params, stats, params, stats
+    losses, f32_losses = [], []
+    for _ in range(15):
+        loss, p16, s16 = bf16_step(p16, s16, x, labels)
+        f32_loss, p32, s32 = f32_step(p32, s32, x, labels)
+        losses.append(float(loss))
+        f32_losses.append(float(f32_loss))
+    assert losses[-1] < 0.6 * losses[0]  # it learns
+    np.testing.assert_allclose(losses, f32_losses, rtol=5e-2)  # as float32 does
+    assert losses != f32_losses
+    for tree in (p16, s16):
+        assert all(np.asarray(v).dtype == np.float32 for v in tree.values())
+    np.testing.assert_allclose(s16["var"], s32["var"], rtol=5e-2)

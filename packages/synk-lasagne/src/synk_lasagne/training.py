@@ -275,9 +275,9 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     function_kwargs : mapping, optional
         Passed to every :func:`synkhronos.function` call (e.g. ``{"mode": "FAST_COMPILE"}``).
     precision : {"default", "highest", "bf16"}, optional
-        The precision policy of the step's products (:mod:`synkhronos.precision`; default: the
-        fork's).  ``"bf16"``: bfloat16 operands accumulating in float32; the parameters, the
-        rule's state and the updates stay float32.
+        The precision policy of the step (:mod:`synkhronos.precision`; default: the fork's).
+        ``"bf16"``: bfloat16 activations (products accumulating in float32); reductions, the
+        parameters, the rule's state and the updates stay float32.
     **hyperparameters
         Passed to ``rule`` (``learning_rate=...``, ``momentum=...``, ``grad_transform=...``).
 

@@ -576,7 +576,7 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
     precision : {"default", "highest", "bf16"}, optional
         How the function's matrix products and convolutions compute (:mod:`synkhronos.precision`):
         ``"default"`` XLA's default (TF32 on Hopper GPUs), ``"highest"`` strict float32, ``"bf16"``
-        bfloat16 operands accumulating in float32, everything else float32.  Default: ``fork``'s
+        bfloat16 activations (reductions, parameters and outputs float32).  Default: ``fork``'s
         ``precision``.  A policy other than ``"default"`` needs the function to compile with JAX.
     **kwargs
         Passed to ``pytensor.function`` (``mode``, ``on_unused_input``, ``name``...).

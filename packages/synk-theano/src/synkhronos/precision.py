@@ -1,19 +1,53 @@
-"""Precision policies: how the matrix products and convolutions of a float32 graph compute.
+"""Precision policies: how a float32 graph computes.
 
-PyTensor has no bfloat16 type: users write float32 graphs.  A policy changes how the products of
-such a graph compute, not the graph: it is a transformation of the JAX function that PyTensor's
-JAX translation made (:func:`apply`), so every Op keeps its own translation.
+PyTensor has no bfloat16 type: users write float32 graphs.  A policy changes how such a graph
+computes, not the graph: it is a transformation of the JAX function that PyTensor's JAX
+translation made (:func:`apply`), so every Op keeps its own translation.
 
 =============  ===============================================================================
 ``"default"``  XLA's default: float32 products at the backend's default precision (TF32 tensor
                cores on Ampere and Hopper GPUs, float32 on CPUs).  The function is unchanged.
 ``"highest"``  Strict float32: every float32 product at ``lax.Precision.HIGHEST``.
-``"bf16"``     Every float32 ``dot_general`` and ``conv_general_dilated`` takes bfloat16
-               operands and accumulates in float32 (``preferred_element_type=float32``); its
-               result is float32.  Everything else computes as the graph says, in float32:
-               parameters, optimizer state, updates, batch-norm statistics, softmax and loss
-               reductions, and the function's outputs keep the graph's dtypes.
+``"bf16"``     Mixed precision with bfloat16 activations (as JAX's jmp policies, Keras's
+               ``mixed_bfloat16`` and PyTorch's autocast): products and convolutions, and the
+               element-wise work between them, compute and store bfloat16; reductions,
+               precision-sensitive functions, parameters, optimizer state and the function's
+               outputs stay float32.  The rules are below.
 =============  ===============================================================================
+
+The rules of ``"bf16"``, primitive by primitive (the values flowing between primitives are
+bfloat16 or float32; the function's inputs are float32):
+
+* **Products** (``dot_general``, ``conv_general_dilated``) of float32 (or bfloat16) operands take
+  bfloat16 operands and make a bfloat16 result.  The backends accumulate in float32 inside (cuBLAS
+  and cuDNN compute bfloat16 products with float32 accumulators, XLA's CPU backend upcasts); asking
+  for a float32 result (``preferred_element_type=float32``) instead keeps every activation float32
+  between products, and XLA's GPU compiler may then run the convolution in float32 altogether.
+* **Element-wise and data-movement primitives** of ``_BF16_OPS`` (``add``, ``sub``, ``mul``,
+  ``div``, ``max``, ``tanh``, ``logistic``, ``select_n``, comparisons, reshapes, transposes,
+  slices, pads, gathers, max pooling...) with a bfloat16 operand run in bfloat16 where their other
+  float operands are literals, scalars or weak-typed (these are rounded to bfloat16: a constant
+  never upcasts an activation).  Where the other operands are *small* float32 arrays (holding fewer
+  values than the result: per-channel batch-norm statistics, biases and scales broadcast against an
+  activation, or broadcasts of constants such as ReLU's gradient mask) they compute in float32 and
+  round the result to bfloat16 at once: XLA fuses the conversions, so the stored activation is
+  bfloat16 and the arithmetic is float32's.  Where an operand is a float32 array of the result's
+  size (a parameter, a velocity: ``param - lr * grad``) they compute in float32 and make float32.
+  Division is among them: a quotient's relative error is the sum of its operands', small divisors
+  included (bfloat16 has float32's exponent range).
+* **Everything else computes in float32**, its bfloat16 operands converted back: reductions
+  (``reduce_sum``, ``reduce_max``, ``argmax``, ``cumsum``: the means and variances of batch norm,
+  softmax's and the loss's sums), transcendental and precision-sensitive functions (``exp``,
+  ``log``, ``log1p``, ``expm1``, ``pow``, ``sqrt``, ``rsqrt``, ``erf``...: they amplify their
+  operand's error or feed reductions), scatters, sorts, collectives (``psum``, callbacks: the
+  gradients are summed in float32), and any primitive this module does not name.
+* **Calls** (``jit``, ``remat``, ``custom_jvp_call``, ``custom_vjp_call``) are evaluated in place
+  with the same rules, so bfloat16 values flow through them.  **Loops and branches** (``scan``,
+  ``while``, ``cond``) and ``shard_map`` keep their float32 boundaries: their operands and carries
+  are converted back to float32 and their bodies are rewritten with the same rules inside, each
+  result converted back to its float32 type, so a carry's type never changes.
+* The function's **outputs** (losses, updated parameters, optimizer state, running statistics)
+  have the dtypes of the original function: float32.
 
 Products of other dtypes (float64, integers) are left as they are under every policy.
 
@@ -33,13 +67,14 @@ Example
 dtype('float32')
 
 How ``apply`` works: the function is traced to a jaxpr at the shapes it is called with, and the
-jaxpr is evaluated again equation by equation, each product bound anew with the policy's
-operands and parameters.  Sub-jaxprs (``jit``, ``custom_jvp_call``/``custom_vjp_call``,
-``scan``, ``while``, ``cond``, ``checkpoint``, ``shard_map``...) are rewritten the same way
-wherever they hold a product, and their primitives bound again with the rewritten jaxprs (same
-signatures, so the primitives' rules apply unchanged).  A custom derivative rule itself runs as
-written if the transformed function is differentiated by JAX afterwards (PyTensor differentiates
-the graph before it is translated, so a Synkhronos function never is).
+jaxpr is evaluated again equation by equation, each equation bound anew with the policy's operands
+and parameters.  Sub-jaxprs of loops, branches and ``shard_map`` (and, under ``"highest"``, of
+every primitive) are rewritten the same way wherever they hold a product, and their primitives
+bound again with the rewritten jaxprs (same signatures, so the primitives' rules apply unchanged).
+Under ``"bf16"`` the bodies of calls and custom-derivative functions are evaluated in place: the
+transformed function computes the same values, but differentiating it with JAX afterwards would
+differentiate those bodies rather than use their custom rules (PyTensor differentiates the graph
+before it is translated, so a Synkhronos function never is).
 """
 
 from __future__ import annotations
@@ -134,10 +169,36 @@ def _core() -> Any:
     return core
 
 
-def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str) -> list[Any]:
-    """``jaxpr`` evaluated on ``args`` (binding on the current trace), its products under ``policy``."""
-    Literal = _core().Literal
+_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
+                      "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+"""Primitives whose body ``"bf16"`` evaluates in place, so that bfloat16 values flow through them
+(a custom derivative rule is not kept: see :func:`apply`)."""
 
+_BF16_OPS = frozenset({
+    # arithmetic whose relative error stays that of its operands
+    "add", "sub", "mul", "div", "neg", "abs", "sign", "max", "min", "clamp", "square", "integer_pow",
+    "tanh", "logistic", "floor", "ceil", "round", "select_n", "eq", "ne", "lt", "le", "gt", "ge",
+    "is_finite", "copy", "copy_p", "convert_element_type", "stop_gradient",
+    # data movement
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice",
+    "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "select_and_gather_add",
+    # exact in any precision: max/min pooling
+    "reduce_window_max", "reduce_window_min",
+})
+"""Primitives that ``"bf16"`` runs in bfloat16 where their float operands are bfloat16 (or small
+float32 values); every other primitive gets float32 operands (see the module docstring)."""
+
+
+_JOINS = frozenset({"concatenate", "dynamic_update_slice"})
+"""Primitives whose smaller operands are data of their own (not broadcast against the others)."""
+
+
+def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str, cast_outputs: bool = True) -> list[Any]:
+    """``jaxpr`` evaluated on ``args`` (binding on the current trace) under ``policy``; with
+    ``cast_outputs`` its results have the jaxpr's dtypes (``"bf16"`` keeps bfloat16 values inside)."""
+    import jax.numpy as jnp
+
+    Literal = _core().Literal
     env: dict[Any, Any] = {}
 
     def read(var: Any) -> Any:
@@ -145,42 +206,141 @@ def _eval(jaxpr: Any, consts: Any, args: list[Any], policy: str) -> list[Any]:
 
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
+    small: set[Any] = set()  # float32 values made of fewer values than they hold (broadcasts, constants)
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in _PRODUCTS:
-            outvals: Any = _product(eqn, invals, policy)
+        name = eqn.primitive.name
+        if name in _PRODUCTS:
+            outvals: Any = [_product(eqn, invals, policy)]
+        elif policy == "bf16" and name in _INLINED:
+            outvals = _inline(eqn, invals, policy)
+        elif policy == "bf16" and any(_is_bf16(x) for x in invals):
+            outvals = _mixed(eqn, invals, policy, small)
         else:
-            params = {k: _rewritten(v, policy) for k, v in eqn.params.items()}
-            bind_params = eqn.primitive.get_bind_params(params)
-            subfuns: Any = ()
-            if isinstance(bind_params, tuple):  # jax < 0.7: (sub-functions, parameters)
-                subfuns, bind_params = bind_params
-            ctx = getattr(eqn, "ctx", None)
-            with ctx.manager if ctx is not None else contextlib.nullcontext():
-                outvals = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-        if not eqn.primitive.multiple_results:
-            outvals = [outvals]
+            outvals = _bind(eqn, invals, policy)
+            if policy == "bf16" and _makes_small(eqn, invals, small):
+                small.update(eqn.outvars)
         for var, val in zip(eqn.outvars, outvals):
             if type(var).__name__ != "DropVar":
                 env[var] = val
-    return [read(v) for v in jaxpr.outvars]
+    outs = [read(v) for v in jaxpr.outvars]
+    if cast_outputs:
+        outs = [x.astype(v.aval.dtype) if _is_bf16(x) and jnp.dtype(v.aval.dtype) != jnp.bfloat16 else x
+                for x, v in zip(outs, jaxpr.outvars)]
+    return outs
+
+
+def _bind(eqn: Any, invals: list[Any], policy: str) -> list[Any]:
+    """``eqn``'s primitive bound on ``invals``, the jaxprs of its parameters rewritten under ``policy``."""
+    params = {k: _rewritten(v, policy) for k, v in eqn.params.items()}
+    bind_params = eqn.primitive.get_bind_params(params)
+    subfuns: Any = ()
+    if isinstance(bind_params, tuple):  # jax < 0.7: (sub-functions, parameters)
+        subfuns, bind_params = bind_params
+    ctx = getattr(eqn, "ctx", None)
+    with ctx.manager if ctx is not None else contextlib.nullcontext():
+        outvals = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return outvals if eqn.primitive.multiple_results else [outvals]
+
+
+def _is_bf16(value: Any) -> bool:
+    import jax.numpy as jnp
+
+    return getattr(value, "dtype", None) == jnp.bfloat16
+
+
+def _inline(eqn: Any, invals: list[Any], policy: str) -> list[Any]:
+    """A call-like equation (``jit``, ``remat``, ``custom_jvp_call``...): its body, evaluated in place."""
+    ClosedJaxpr = _core().ClosedJaxpr
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr")))
+    if isinstance(body, ClosedJaxpr):
+        return _eval(body.jaxpr, body.consts, invals, policy, cast_outputs=False)
+    if body is None or body.constvars:
+        return _bind(eqn, _upcast(eqn, invals), policy)
+    return _eval(body, (), invals, policy, cast_outputs=False)
+
+
+def _is_small(var: Any, value: Any, size: int, small: set[Any], joins: bool = False) -> bool:
+    """Whether a float32 operand of an equation whose largest result holds ``size`` values is small:
+    a literal, a scalar, weak-typed, a broadcast of fewer values, or (unless the equation ``joins``
+    arrays: a concatenation, an update of a slice) holding fewer values."""
+    return (isinstance(var, _core().Literal) or np.ndim(value) == 0 or getattr(var.aval, "weak_type", False)
+            or var in small or (int(np.prod(np.shape(value))) < size and not joins))
+
+
+def _makes_small(eqn: Any, invals: list[Any], small: set[Any]) -> bool:
+    """Whether a float32 equation without bfloat16 operands makes small values: one of
+    ``_BF16_OPS`` (a broadcast, an element-wise op) whose float operands are all small (a
+    batch-norm statistic broadcast to an activation's shape, the constants of ReLU's gradient)."""
+    import jax.numpy as jnp
+
+    if eqn.primitive.name not in _BF16_OPS or not any(
+            jnp.dtype(getattr(v.aval, "dtype", np.int8)) == jnp.float32 for v in eqn.outvars):
+        return False
+    size = max(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
+    return all(_is_small(v, x, size, small, eqn.primitive.name in _JOINS) for v, x in zip(eqn.invars, invals)
+               if getattr(x, "dtype", None) == jnp.float32)
+
+
+def _upcast(eqn: Any, invals: list[Any]) -> list[Any]:
+    """``invals`` with their bfloat16 values back at the equation's own dtypes (float32)."""
+    return [x.astype(v.aval.dtype) if _is_bf16(x) else x for x, v in zip(invals, eqn.invars)]
+
+
+def _mixed(eqn: Any, invals: list[Any], policy: str, small: set[Any]) -> list[Any]:
+    """An equation some of whose operands are bfloat16 activations, under ``"bf16"``.
+
+    A primitive of ``_BF16_OPS`` runs in bfloat16 where its float32 operands are literals,
+    scalars or weak-typed (rounded to bfloat16); computes in float32 and rounds its result to
+    bfloat16 where they are other small values (``_is_small``: broadcast per-channel
+    statistics, biases, scales, constants); computes in float32 where one is a float32 array of the
+    result's size (a parameter, optimizer state).  Any other primitive computes in float32.
+    """
+    import jax.numpy as jnp
+
+    name = eqn.primitive.name
+    if name not in _BF16_OPS:
+        return _bind(eqn, _upcast(eqn, invals), policy)
+    if name == "convert_element_type":
+        if jnp.dtype(eqn.params["new_dtype"]) == jnp.float32:
+            return [invals[0]]  # a float32 -> float32 conversion (weak type): the activation stays bfloat16
+        return _bind(eqn, _upcast(eqn, invals), policy)
+    size = max(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
+    Literal = _core().Literal
+    kind = "bf16"
+    for var, x in zip(eqn.invars, invals):
+        if getattr(x, "dtype", None) != jnp.float32:
+            continue
+        if isinstance(var, Literal) or np.ndim(x) == 0 or getattr(var.aval, "weak_type", False):
+            continue
+        small_one = _is_small(var, x, size, small, name in _JOINS)
+        kind = "f32" if not small_one or kind == "f32" else "f32-rounded"
+    if kind == "f32":
+        return _bind(eqn, _upcast(eqn, invals), policy)
+    if kind == "f32-rounded":
+        outs = _bind(eqn, _upcast(eqn, invals), policy)
+        return [y.astype(jnp.bfloat16) if getattr(y, "dtype", None) == jnp.float32 else y for y in outs]
+    down = [x.astype(jnp.bfloat16) if getattr(x, "dtype", None) == jnp.float32 else x for x in invals]
+    return _bind(eqn, down, policy)
 
 
 def _product(eqn: Any, invals: list[Any], policy: str) -> Any:
     """One ``dot_general``/``conv_general_dilated`` under ``policy``: float32 operands as bfloat16
-    accumulating in float32 (``"bf16"``), or at ``Precision.HIGHEST`` (``"highest"``)."""
+    with a bfloat16 result (``"bf16"``: the backends accumulate in float32), or at
+    ``Precision.HIGHEST`` (``"highest"``)."""
     import jax.numpy as jnp
     from jax import lax
 
     lhs, rhs = invals[:2]
     params = dict(eqn.params)
-    if not all(jnp.dtype(x.dtype) == jnp.float32 for x in (lhs, rhs)):
-        return eqn.primitive.bind(*invals, **params)
+    if not all(jnp.dtype(v.aval.dtype) == jnp.float32 for v in eqn.invars[:2]) or \
+            jnp.dtype(eqn.outvars[0].aval.dtype) != jnp.float32:
+        return eqn.primitive.bind(*_upcast(eqn, invals), **params)
     if policy == "highest":
         params["precision"] = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
     else:
         params["precision"] = None
-        params["preferred_element_type"] = jnp.dtype(eqn.outvars[0].aval.dtype)
+        params["preferred_element_type"] = jnp.dtype(jnp.bfloat16)
         lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
     return eqn.primitive.bind(lhs, rhs, *invals[2:], **params)
 
