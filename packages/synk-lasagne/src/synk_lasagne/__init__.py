@@ -2,8 +2,8 @@
 
 Lasagne itself does not run on PyTensor (it imports ``theano.tensor.nnet``); this package gives
 its API on PyTensor graphs -- layers, initialisers, nonlinearities, objectives, regularization,
-and update rules built for data parallelism (every rank writes its gradient into ONE flat
-vector, one all-reduce combines them, every rank applies the same update) -- the convolution and
+and update rules that are data-parallel for free (inside a Synkhronos function they average the
+gradients over the ranks with one in-graph all-reduce; in a plain function they are Lasagne's) -- the convolution and
 pooling Ops that networks need, and what a user needs around them.  A Lasagne model file ports
 by changing its imports (``import synk_lasagne as lasagne``).
 
@@ -20,7 +20,8 @@ Ops (:mod:`synk_lasagne.conv`, :mod:`synk_lasagne.pool`)
 Update rules (:mod:`synk_lasagne.updates`)
     :func:`~synk_lasagne.updates.sgd`, ``momentum``, ``nesterov_momentum``, ``apply_momentum``,
     ``apply_nesterov_momentum``, ``adagrad``, ``rmsprop``, ``adadelta``, ``adam``, ``adamax``,
-    ``amsgrad``, ``norm_constraint``, ``total_norm_constraint`` -> :class:`RuleUpdates`
+    ``amsgrad``, ``norm_constraint``, ``total_norm_constraint``: Lasagne's ``OrderedDict`` of
+    updates, which average the gradients over the ranks inside a Synkhronos function
 Training (:mod:`synk_lasagne.training`)
     :func:`make_train_function` -> :class:`TrainFunction` (one step per call),
     :func:`make_eval_function` -> :class:`EvalFunction` (named metrics), :class:`Trainer`
@@ -56,9 +57,8 @@ from synk_lasagne.training import (
     make_train_function,
     save_checkpoint,
 )
-from synk_lasagne.updates import RuleUpdates
 
-__all__ = ["EvalFunction", "RuleUpdates", "TrainFunction", "Trainer", "conv", "init", "layers", "load_checkpoint",
+__all__ = ["EvalFunction", "TrainFunction", "Trainer", "conv", "init", "layers", "load_checkpoint",
            "make_eval_function", "make_train_function", "mnist", "nonlinearities", "objectives", "pool", "random",
            "regularization", "save_checkpoint", "updates"]
 
