@@ -169,7 +169,7 @@ def test_params_from_arrays_and_shared_variables():
     assert dense.W is w and np.array_equal(dense.b.get_value(), [0.0, 1.0])
     with pytest.raises(ValueError, match="shape"):
         layers.DenseLayer(layers.InputLayer((None, 4)), 2, W=w)
-    with pytest.raises(TypeError, match="initialiser"):
+    with pytest.raises(TypeError, match="callable"):
         layers.DenseLayer(layers.InputLayer((None, 3)), 2, W="glorot")
 
 

@@ -13,7 +13,7 @@ Layers (:mod:`synk_lasagne.layers`)
 Around them
     :mod:`~synk_lasagne.init`, :mod:`~synk_lasagne.nonlinearities`,
     :mod:`~synk_lasagne.objectives`, :mod:`~synk_lasagne.regularization`,
-    :mod:`~synk_lasagne.random`
+    :mod:`~synk_lasagne.random`, :mod:`~synk_lasagne.utils`
 Ops (:mod:`synk_lasagne.conv`, :mod:`synk_lasagne.pool`)
     ``conv2d`` and ``pool2d`` with gradients, on PyTensor's JAX backend (GPU) and the others
 
@@ -60,9 +60,9 @@ from synk_lasagne.training import (
 
 __all__ = ["EvalFunction", "TrainFunction", "Trainer", "conv", "init", "layers", "load_checkpoint",
            "make_eval_function", "make_train_function", "mnist", "nonlinearities", "objectives", "pool", "random",
-           "regularization", "save_checkpoint", "updates"]
+           "regularization", "save_checkpoint", "updates", "utils"]
 
-_LAZY = {"conv", "init", "layers", "nonlinearities", "objectives", "pool", "random", "regularization"}
+_LAZY = {"conv", "init", "layers", "nonlinearities", "objectives", "pool", "random", "regularization", "utils"}
 """Submodules imported on first use (``synk_lasagne.layers``...): importing synk_lasagne stays light."""
 
 
