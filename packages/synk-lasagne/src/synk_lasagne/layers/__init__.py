@@ -7,8 +7,9 @@ Lasagne's.  See the "Lasagne layers" guide for the porting notes.
 ==============================  ===================================================================
 input                           :class:`InputLayer`
 dense                           :class:`DenseLayer`
-convolution                     :class:`Conv2DLayer` (stride, pad, dilation, groups, flip_filters)
-pooling                         :class:`MaxPool2DLayer`, :class:`Pool2DLayer`, :class:`GlobalPoolLayer`
+convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stride, pad, dilation, groups, flip_filters)
+pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
+                                :class:`Pool2DLayer`, :class:`GlobalPoolLayer`
 normalization                   :class:`BatchNormLayer`, :func:`batch_norm`,
                                 :func:`average_running_statistics`, :func:`get_running_statistics`
 merge                           :class:`ElemwiseSumLayer`, :class:`ConcatLayer`
@@ -38,7 +39,7 @@ Example
 """
 
 from synk_lasagne.layers.base import Layer, MergeLayer, add_state_updates, get_state_updates
-from synk_lasagne.layers.conv import Conv2DLayer
+from synk_lasagne.layers.conv import Conv1DLayer, Conv2DLayer
 from synk_lasagne.layers.dense import DenseLayer
 from synk_lasagne.layers.helper import (
     count_params,
@@ -58,14 +59,14 @@ from synk_lasagne.layers.normalization import (
     batch_norm,
     get_running_statistics,
 )
-from synk_lasagne.layers.pool import GlobalPoolLayer, MaxPool2DLayer, Pool2DLayer
+from synk_lasagne.layers.pool import GlobalPoolLayer, MaxPool1DLayer, MaxPool2DLayer, Pool1DLayer, Pool2DLayer
 from synk_lasagne.layers.shape import FlattenLayer, ReshapeLayer, flatten, reshape
 from synk_lasagne.layers.special import ExpressionLayer, NonlinearityLayer
 
-__all__ = ["BatchNormLayer", "ConcatLayer", "Conv2DLayer", "DenseLayer", "DropoutLayer", "ElemwiseSumLayer",
-           "ExpressionLayer", "FlattenLayer", "GlobalPoolLayer", "InputLayer", "Layer", "MaxPool2DLayer",
-           "MergeLayer", "NonlinearityLayer", "Pool2DLayer", "ReshapeLayer", "add_state_updates",
-           "average_running_statistics",
-           "batch_norm", "concat", "count_params", "dropout", "flatten", "get_all_layers", "get_all_param_values",
-           "get_all_params", "get_output", "get_output_shape", "get_running_statistics", "get_state_updates", "reshape",
+__all__ = ["BatchNormLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "DenseLayer", "DropoutLayer",
+           "ElemwiseSumLayer", "ExpressionLayer", "FlattenLayer", "GlobalPoolLayer", "InputLayer", "Layer",
+           "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NonlinearityLayer", "Pool1DLayer", "Pool2DLayer",
+           "ReshapeLayer", "add_state_updates", "average_running_statistics", "batch_norm", "concat",
+           "count_params", "dropout", "flatten", "get_all_layers", "get_all_param_values", "get_all_params",
+           "get_output", "get_output_shape", "get_running_statistics", "get_state_updates", "reshape",
            "set_all_param_values"]

@@ -1,15 +1,38 @@
-"""Pooling layers: :class:`MaxPool2DLayer`, :class:`Pool2DLayer`, :class:`GlobalPoolLayer`."""
+"""Pooling layers: :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
+:class:`Pool2DLayer`, :class:`GlobalPoolLayer`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from synk_lasagne.conv import _pair
 from synk_lasagne.layers.base import Layer
-from synk_lasagne.pool import pool2d, pool_output_length
+from synk_lasagne.pool import pool2d
+from synk_lasagne.pool import pool_output_length as _full_windows
 
-__all__ = ["GlobalPoolLayer", "MaxPool2DLayer", "Pool2DLayer"]
+__all__ = ["GlobalPoolLayer", "MaxPool1DLayer", "MaxPool2DLayer", "Pool1DLayer", "Pool2DLayer", "pool_output_length"]
+
+
+def pool_output_length(input_length: Any, pool_size: int, stride: int, pad: int, ignore_border: bool) -> Any:
+    """The length of a pooled axis (Lasagne's): windows crossing the border dropped
+    (``ignore_border``), or kept as partial windows (no padding then)."""
+    if input_length is None or pool_size is None:
+        return None
+    if ignore_border:
+        return _full_windows(input_length, pool_size, stride, pad)
+    if pad:
+        raise ValueError("ignore_border=False needs pad=0 (partial windows already keep the border)")
+    if stride >= pool_size:
+        return (input_length + stride - 1) // stride
+    steps = (input_length - pool_size + stride - 1) // stride
+    if isinstance(steps, (int, np.integer)):
+        return max(0, int(steps)) + 1
+    import pytensor.tensor as pt
+
+    return pt.maximum(0, steps) + 1
 
 
 class Pool2DLayer(Layer):
@@ -23,30 +46,103 @@ class Pool2DLayer(Layer):
         Default: ``pool_size``.
     pad : int or (int, int)
     ignore_border : bool
-        Only True (Lasagne's default: windows that cross the padded border are dropped).
+        True (Lasagne's default): windows that cross the padded border are dropped; False: kept as
+        partial windows (``pad`` must be 0; ``mode="max"`` only).
     mode : {"max", "average_inc_pad", "average_exc_pad"}
     """
 
     def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = (0, 0),
                  ignore_border: bool = True, mode: str = "max", **kwargs: Any) -> None:
         super().__init__(incoming, **kwargs)
-        if not ignore_border:
-            raise ValueError("ignore_border=False (partial windows at the border) is not supported: pad the "
-                             "input (pad=...) to keep the border")
         self.pool_size = _pair(pool_size, "pool_size")
         self.stride = self.pool_size if stride is None else _pair(stride, "stride")
         self.pad = _pair(pad, "pad")
         self.ignore_border = ignore_border
         self.mode = mode
+        if not ignore_border and (mode != "max" or any(self.pad)):
+            raise NotImplementedError("ignore_border=False (partial windows) is implemented for mode='max' "
+                                      "and pad=0: pad the input instead")
         pool2d(_probe(len(self.input_shape)), self.pool_size, self.stride, self.pad, mode)  # checks the arguments
 
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
-        spatial = (pool_output_length(n, w, s, p) for n, w, s, p in
+        spatial = (pool_output_length(n, w, s, p, self.ignore_border) for n, w, s, p in
                    zip(input_shape[-2:], self.pool_size, self.stride, self.pad))
         return (*input_shape[:-2], *spatial)
 
     def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        if not self.ignore_border:
+            input = _pad_partial(input, self.pool_size, self.stride)
         return pool2d(input, self.pool_size, self.stride, self.pad, self.mode)
+
+
+def _pad_partial(x: Any, pool_size: tuple[int, int], stride: tuple[int, int]) -> Any:
+    """``x`` padded after its last two axes with the lowest value, so that the full windows of the
+    result are the partial windows of ``x`` (max pooling with ``ignore_border=False``)."""
+    import pytensor.tensor as pt
+
+    lengths = [x.shape[-2], x.shape[-1]]
+    extra = []
+    for n, w, s in zip(lengths, pool_size, stride):
+        out = pool_output_length(n, w, s, 0, False)
+        extra.append(pt.maximum((out - 1) * s + w - n, 0))
+    dtype = x.dtype
+    low = np.finfo(dtype).min if np.dtype(dtype).kind == "f" else np.iinfo(dtype).min
+    shape = (*[x.shape[i] for i in range(x.ndim - 2)], lengths[0] + extra[0], lengths[1] + extra[1])
+    padded = pt.full(shape, np.asarray(low, dtype=dtype), dtype=dtype)
+    return pt.set_subtensor(padded[..., :lengths[0], :lengths[1]], x)
+
+
+class Pool1DLayer(Layer):
+    """Pooling over the last axis of ``(batch, channels, length)`` input (Lasagne's).
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    pool_size : int
+    stride : int, optional
+        Default: ``pool_size``.
+    pad : int
+    ignore_border : bool
+        As for :class:`Pool2DLayer`.
+    mode : {"max", "average_inc_pad", "average_exc_pad"}
+    """
+
+    def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = 0,
+                 ignore_border: bool = True, mode: str = "max", **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        if len(self.input_shape) != 3:
+            raise ValueError(f"Tried to create a 1D pooling layer with input shape {self.input_shape}. Expected 3 "
+                             "input dimensions (batchsize, channels, 1 spatial dimensions).")
+        self.pool_size = _single(pool_size, "pool_size")
+        self.stride = self.pool_size if stride is None else _single(stride, "stride")
+        self.pad = _single(pad, "pad")
+        self.ignore_border = ignore_border
+        self.mode = mode
+        self._pool = Pool2DLayer((None, None, 1, None), (1, *self.pool_size), (1, *self.stride), (0, *self.pad),
+                                 ignore_border, mode)
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        length = pool_output_length(input_shape[-1], self.pool_size[0], self.stride[0], self.pad[0],
+                                    self.ignore_border)
+        return (*input_shape[:-1], length)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        return self._pool.get_output_for(input[:, :, None, :])[:, :, 0, :]
+
+
+def _single(value: Any, what: str) -> tuple[int]:
+    from synk_lasagne.utils import as_tuple, int_types
+
+    (v,) = as_tuple(value, 1, int_types)
+    return (int(v),)
+
+
+class MaxPool1DLayer(Pool1DLayer):
+    """Max pooling over the last axis (:class:`Pool1DLayer` with ``mode="max"``)."""
+
+    def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = 0,
+                 ignore_border: bool = True, **kwargs: Any) -> None:
+        super().__init__(incoming, pool_size, stride, pad, ignore_border, mode="max", **kwargs)
 
 
 def _probe(ndim: int) -> Any:
