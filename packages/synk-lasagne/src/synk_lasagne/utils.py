@@ -31,8 +31,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["as_theano_expression", "as_tuple", "collect_shared_vars", "compute_norms", "create_param", "floatX",
+__all__ = ["ParamShapeError", "ParamTypeError", "as_theano_expression", "as_tuple", "collect_shared_vars", "compute_norms", "create_param", "floatX",
            "inspect_kwargs", "int_types", "one_hot", "shared_empty", "unique", "unroll_scan"]
+
+class ParamTypeError(TypeError, RuntimeError):
+    """A parameter spec of a type :func:`create_param` cannot use: a ``TypeError`` (Lasagne 0.2's)
+    that is also a ``RuntimeError`` (Lasagne 0.1's)."""
+
+
+class ParamShapeError(ValueError, RuntimeError):
+    """A parameter value of the wrong shape: a ``ValueError`` (Lasagne 0.2's) that is also a
+    ``RuntimeError`` (Lasagne 0.1's)."""
+
 
 int_types = (numbers.Integral, np.integer)
 """The types an integer argument may have (Python's and numpy's)."""
@@ -103,7 +113,8 @@ def as_theano_expression(input: Any) -> Any:
 
 
 def collect_shared_vars(expressions: Any) -> list[Any]:
-    """The shared variables that ``expressions`` depend on, each once, in graph order.
+    """The shared variables that ``expressions`` depend on, each once, in the order of a
+    left-to-right depth-first search.
 
     Parameters
     ----------
@@ -115,11 +126,22 @@ def collect_shared_vars(expressions: Any) -> list[Any]:
     """
     from pytensor.compile.sharedvalue import SharedVariable
     from pytensor.graph.basic import Variable
-    from pytensor.graph.traversal import graph_inputs
 
     if isinstance(expressions, Variable):
         expressions = [expressions]
-    return unique([v for v in graph_inputs(list(expressions)) if isinstance(v, SharedVariable)])
+    found: list[Any] = []
+    seen: set[Any] = set()
+    stack = list(reversed(list(expressions)))  # depth first, left to right
+    while stack:
+        var = stack.pop()
+        if var in seen:
+            continue
+        seen.add(var)
+        if var.owner is not None:
+            stack.extend(reversed(var.owner.inputs))
+        elif isinstance(var, SharedVariable):
+            found.append(var)
+    return found
 
 
 def one_hot(x: Any, m: Any = None) -> Any:
@@ -258,8 +280,9 @@ def create_param(spec: Any, shape: Iterable[int], name: str | None = None) -> An
     Raises
     ------
     ValueError
-        For a non-positive length in ``shape``, or a value of another shape or dimensionality.
-    TypeError
+        For a non-positive length in ``shape``; :class:`ParamShapeError` for a value of another
+        shape or dimensionality.
+    ParamTypeError
         For any other ``spec``.
     """
     import pytensor
@@ -280,21 +303,21 @@ def create_param(spec: Any, shape: Iterable[int], name: str | None = None) -> An
         spec = np.asarray(spec)
     if isinstance(spec, np.ndarray):
         if spec.shape != shape:
-            raise ValueError(f"{what.format('numpy array')} has shape {spec.shape}, should be {shape}")
+            raise ParamShapeError(f"{what.format('numpy array')} has shape {spec.shape}, should be {shape}")
         spec = pytensor.shared(spec, shape=shape)
     if isinstance(spec, Variable):
         ndim = getattr(spec, "ndim", None)
         if ndim != len(shape):
-            raise ValueError(f"{what.format('PyTensor variable')} has {ndim} dimensions, should be {len(shape)}")
+            raise ParamShapeError(f"{what.format('PyTensor variable')} has {ndim} dimensions, should be {len(shape)}")
         if isinstance(spec, SharedVariable) and np.shape(spec.get_value(borrow=True)) != shape:
-            raise ValueError(f"{what.format('shared variable')} has shape {np.shape(spec.get_value(borrow=True))}, "
+            raise ParamShapeError(f"{what.format('shared variable')} has shape {np.shape(spec.get_value(borrow=True))}, "
                              f"should be {shape}")
         if not spec.name:
             spec.name = name
         return spec
     if "callable" in what:
-        raise TypeError(f"{what.format('value')} is not a numpy array or a PyTensor expression")
-    raise TypeError(f"{what.format('value')} is not a numpy array, a PyTensor expression, or a callable")
+        raise ParamTypeError(f"{what.format('value')} is not a numpy array or a PyTensor expression")
+    raise ParamTypeError(f"{what.format('value')} is not a numpy array, a PyTensor expression, or a callable")
 
 
 def unroll_scan(fn: Callable[..., Any], sequences: Sequence[Any], outputs_info: Sequence[Any],
