@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ParamShapeError", "ParamTypeError", "as_theano_expression", "as_tuple", "collect_shared_vars", "compute_norms", "create_param", "floatX",
+__all__ = ["ParamShapeError", "ParamTypeError", "as_theano_expression", "as_tuple", "collect_shared_vars",
+           "compute_norms", "create_param", "floatX",
            "inspect_kwargs", "int_types", "one_hot", "shared_empty", "unique", "unroll_scan"]
 
 class ParamTypeError(TypeError, RuntimeError):
@@ -310,8 +311,8 @@ def create_param(spec: Any, shape: Iterable[int], name: str | None = None) -> An
         if ndim != len(shape):
             raise ParamShapeError(f"{what.format('PyTensor variable')} has {ndim} dimensions, should be {len(shape)}")
         if isinstance(spec, SharedVariable) and np.shape(spec.get_value(borrow=True)) != shape:
-            raise ParamShapeError(f"{what.format('shared variable')} has shape {np.shape(spec.get_value(borrow=True))}, "
-                             f"should be {shape}")
+            value_shape = np.shape(spec.get_value(borrow=True))
+            raise ParamShapeError(f"{what.format('shared variable')} has shape {value_shape}, should be {shape}")
         if not spec.name:
             spec.name = name
         return spec
