@@ -60,9 +60,11 @@ from synk_lasagne.training import (
 
 __all__ = ["EvalFunction", "TrainFunction", "Trainer", "conv", "init", "layers", "load_checkpoint",
            "make_eval_function", "make_train_function", "mnist", "nonlinearities", "objectives", "pool", "random",
-           "regularization", "save_checkpoint", "updates", "utils"]
+           "regularization", "save_checkpoint", "theano_extensions", "updates",
+           "utils"]
 
-_LAZY = {"conv", "init", "layers", "nonlinearities", "objectives", "pool", "random", "regularization", "utils"}
+_LAZY = {"conv", "init", "layers", "nonlinearities", "objectives", "pool", "random", "regularization",
+         "theano_extensions", "utils"}
 """Submodules imported on first use (``synk_lasagne.layers``...): importing synk_lasagne stays light."""
 
 
