@@ -234,3 +234,21 @@ def test_layers_import_alone():
             "bad = [m for m in ('sklearn', 'matplotlib', 'tqdm', 'jax') if m in sys.modules]; assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_rules_apply_the_state_updates_of_their_loss():
+    """Lasagne's idiom in a plain function advances batch norm's running averages (as Lasagne's
+    graph does): the rule's updates hold the loss's state updates, gradients alone do not."""
+    from synk_lasagne import layers
+
+    x = pt.matrix("x")
+    net = layers.BatchNormLayer(layers.InputLayer((None, 2), x), alpha=0.5)
+    out = layers.DenseLayer(net, 1)
+    loss = pt.mean(layers.get_output(out) ** 2)
+    params = layers.get_all_params(out, trainable=True)
+    rule = updates.sgd(loss, params, 0.1)
+    assert net.mean in rule and net.inv_std in rule
+    assert net.mean not in updates.sgd(pytensor.grad(loss, params), params, 0.1)
+    xv = np.array([[1.0, 2.0], [3.0, 6.0]])
+    pytensor.function([x], loss, updates=rule, **FAST)(xv)
+    np.testing.assert_allclose(net.mean.get_value(), 0.5 * xv.mean(axis=0))

@@ -52,6 +52,10 @@ the parameters' order, so a compiled update has a few long element-wise loops an
 state vector: the update function of an 18-parameter MLP under Adam has 21 outputs instead of 55
 (``benchmarks/bench_update_rules.py``).  The maths is Lasagne's, entry by entry.
 
+Given a loss, a rule's updates also hold the state updates that the loss carries (batch norm's
+running averages, dropout's random generators: :func:`synk_lasagne.layers.get_state_updates`),
+so ``function(..., updates=rule(loss, params))`` advances them as Lasagne's graph does.
+
 Gradient clipping belongs after the average (the norm of the whole batch's gradient): pass
 ``grad_transform=lambda g: total_norm_constraint(g, 5.0)`` to any rule (a keyword that Lasagne's
 rules lack; clipping the gradients before passing them clips each rank's own).
@@ -88,6 +92,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -391,8 +396,28 @@ def flat_gradient(loss_or_grads: Any, params: Sequence[Any], weight: Any) -> tup
     return flat, expr, views
 
 
+def _lasagne_rule(rule: Callable[..., OrderedDict[Any, Any]]) -> Callable[..., OrderedDict[Any, Any]]:
+    """A rule that also applies the state updates its loss carries (batch norm's running averages,
+    dropout's generators: :func:`synk_lasagne.layers.get_state_updates`), as Lasagne's graph does
+    in a plain function: given a loss (not gradients), ``rule(loss, params, ...)`` holds them after
+    its own updates."""
+
+    @functools.wraps(rule)
+    def wrapped(loss_or_grads: Any, params: Sequence[Any], *args: Any, **kwargs: Any) -> OrderedDict[Any, Any]:
+        updates = rule(loss_or_grads, params, *args, **kwargs)
+        if not isinstance(loss_or_grads, (list, tuple)):
+            from synk_lasagne.layers.base import get_state_updates
+
+            for var, expr in get_state_updates(loss_or_grads):
+                updates.setdefault(var, expr)
+        return updates
+
+    return wrapped
+
+
 # --- the rules ----------------------------------------------------------------------------------
 
+@_lasagne_rule
 def sgd(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, *,
         grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """Stochastic gradient descent.
@@ -449,6 +474,7 @@ def apply_momentum(updates: Any, params: Iterable[Any] | None = None, momentum: 
     return new
 
 
+@_lasagne_rule
 def momentum(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, momentum: Any = 0.9, *,
              grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """Stochastic gradient descent with momentum, ONE flat velocity vector.
@@ -510,6 +536,7 @@ def apply_nesterov_momentum(updates: Any, params: Iterable[Any] | None = None,
     return new
 
 
+@_lasagne_rule
 def nesterov_momentum(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, momentum: Any = 0.9, *,
                       grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """SGD with Nesterov momentum, ONE flat velocity vector.
@@ -536,6 +563,7 @@ def nesterov_momentum(loss_or_grads: Any, params: Sequence[Any], learning_rate: 
     return updates
 
 
+@_lasagne_rule
 def adagrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0, epsilon: Any = 1e-6, *,
             grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """Adagrad (Duchi, Hazan & Singer, 2011): steps shrink with the accumulated squared gradient.
@@ -566,6 +594,7 @@ def adagrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0,
     return updates
 
 
+@_lasagne_rule
 def rmsprop(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0, rho: Any = 0.9,
             epsilon: Any = 1e-6, *, grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """RMSProp (Tieleman & Hinton, 2012): steps scaled by a moving RMS of the gradient.
@@ -598,6 +627,7 @@ def rmsprop(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0,
     return updates
 
 
+@_lasagne_rule
 def adadelta(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0, rho: Any = 0.95,
              epsilon: Any = 1e-6, *, grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """Adadelta (Zeiler, 2012): steps scaled by the ratio of the RMS of past updates to that of
@@ -636,6 +666,7 @@ def adadelta(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0
     return updates
 
 
+@_lasagne_rule
 def adam(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.001, beta1: Any = 0.9,
          beta2: Any = 0.999, epsilon: Any = 1e-8, *,
          grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
@@ -681,6 +712,7 @@ def adam(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.001, 
     return updates
 
 
+@_lasagne_rule
 def adamax(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.002, beta1: Any = 0.9,
            beta2: Any = 0.999, epsilon: Any = 1e-8, *,
            grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
@@ -724,6 +756,7 @@ def adamax(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.002
     return updates
 
 
+@_lasagne_rule
 def amsgrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.001, beta1: Any = 0.9,
             beta2: Any = 0.999, epsilon: Any = 1e-8, *,
             grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
