@@ -26,6 +26,22 @@ RENAMES = {
 }
 """Module names of the suite -> the modules they are; a name not listed renames its first part."""
 
+THEANO_NAMES = {
+    "Variable": ("pytensor.graph.basic", "Variable"),
+    "gof": ("pytensor", "graph"),
+}
+"""Names of Theano's top-level module -> where PyTensor has them (the rest: ``pytensor``'s own)."""
+
+
+class _TheanoModule(ModuleType):
+    """``theano``: PyTensor's top-level module under Theano's name, with :data:`THEANO_NAMES`."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in THEANO_NAMES:
+            module, attr = THEANO_NAMES[name]
+            return getattr(importlib.import_module(module), attr)
+        return getattr(importlib.import_module("pytensor"), name)
+
 
 def target(name: str) -> str | None:
     """The module that ``name`` imports, or None for a name this plugin leaves alone."""
@@ -44,9 +60,15 @@ class _AliasLoader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         module = importlib.import_module(self.real)
         self.spec = module.__spec__
+        if spec.name == "theano":
+            proxy = _TheanoModule("theano")
+            proxy.__path__ = []  # a package: its submodules come from the finder
+            return proxy
         return module
 
     def exec_module(self, module: ModuleType) -> None:
+        if isinstance(module, _TheanoModule):
+            return
         module.__spec__ = self.spec  # the import system set the alias's spec: the module keeps its own
 
 

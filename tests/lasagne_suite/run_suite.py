@@ -70,8 +70,8 @@ def run(source: Path, workdir: Path, timeout: float) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
            "PYTENSOR_FLAGS": "mode=FAST_COMPILE,on_unused_input=ignore"}
     cmd = [sys.executable, "-m", "pytest", str(tests), "-p", "lasagne_alias", "-p", "no:cacheprovider", "-q",
-           "--tb=no", "--continue-on-collection-errors", "-o", "addopts=", "-o", "timeout=60", "--rootdir", str(workdir), f"--junitxml={report}",
-           "-W", "ignore"]
+           "--tb=no", "--continue-on-collection-errors", "-o", "addopts=", "-o", "timeout=30",
+           "--rootdir", str(workdir), f"--junitxml={report}", "-W", "ignore"]
     subprocess.run(cmd, cwd=workdir, env=env, timeout=timeout, capture_output=True, text=True)
     outcomes: dict[str, str] = {}
     for case in ET.parse(report).getroot().iter("testcase"):

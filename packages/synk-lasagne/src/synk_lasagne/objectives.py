@@ -129,6 +129,6 @@ def aggregate(loss: Any, weights: Any = None, mode: str = "mean") -> Any:
         return loss.sum()
     if mode == "normalized_sum":
         if weights is None:
-            raise ValueError("mode='normalized_sum' needs weights")
+            raise ValueError("mode='normalized_sum' require weights: give weights=...")
         return loss.sum() / pt.as_tensor_variable(weights).sum()
     raise ValueError(f"mode must be 'mean', 'sum' or 'normalized_sum', got {mode!r}")
