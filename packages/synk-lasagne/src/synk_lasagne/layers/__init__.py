@@ -9,12 +9,15 @@ input                           :class:`InputLayer`
 dense                           :class:`DenseLayer`
 convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stride, pad, dilation, groups, flip_filters)
 pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
-                                :class:`Pool2DLayer`, :class:`GlobalPoolLayer`
+                                :class:`Pool2DLayer`, :class:`GlobalPoolLayer`,
+                                :class:`FeaturePoolLayer`, :class:`FeatureWTALayer`
 normalization                   :class:`BatchNormLayer`, :func:`batch_norm`,
                                 :func:`average_running_statistics`, :func:`get_running_statistics`
 merge                           :class:`ElemwiseSumLayer`, :class:`ConcatLayer`
-noise                           :class:`DropoutLayer`
-shape                           :class:`FlattenLayer`, :class:`ReshapeLayer`
+noise                           :class:`DropoutLayer`, :class:`GaussianNoiseLayer`
+embedding                       :class:`EmbeddingLayer`, :class:`NINLayer` (network in network)
+shape                           :class:`FlattenLayer`, :class:`ReshapeLayer`, :class:`DimshuffleLayer`,
+                                :class:`PadLayer`, :class:`SliceLayer`
 special                         :class:`NonlinearityLayer`, :class:`ExpressionLayer`
 state updates                   :func:`get_state_updates` (batch norm's running averages, dropout's
                                 generators: what a training function must apply),
@@ -40,7 +43,8 @@ Example
 
 from synk_lasagne.layers.base import Layer, MergeLayer, add_state_updates, get_state_updates
 from synk_lasagne.layers.conv import Conv1DLayer, Conv2DLayer
-from synk_lasagne.layers.dense import DenseLayer
+from synk_lasagne.layers.dense import DenseLayer, NINLayer
+from synk_lasagne.layers.embedding import EmbeddingLayer
 from synk_lasagne.layers.helper import (
     count_params,
     get_all_layers,
@@ -52,21 +56,40 @@ from synk_lasagne.layers.helper import (
 )
 from synk_lasagne.layers.input import InputLayer
 from synk_lasagne.layers.merge import ConcatLayer, ElemwiseSumLayer, concat
-from synk_lasagne.layers.noise import DropoutLayer, dropout
+from synk_lasagne.layers.noise import DropoutLayer, GaussianNoiseLayer, dropout
 from synk_lasagne.layers.normalization import (
     BatchNormLayer,
     average_running_statistics,
     batch_norm,
     get_running_statistics,
 )
-from synk_lasagne.layers.pool import GlobalPoolLayer, MaxPool1DLayer, MaxPool2DLayer, Pool1DLayer, Pool2DLayer
-from synk_lasagne.layers.shape import FlattenLayer, ReshapeLayer, flatten, reshape
+from synk_lasagne.layers.pool import (
+    FeaturePoolLayer,
+    FeatureWTALayer,
+    GlobalPoolLayer,
+    MaxPool1DLayer,
+    MaxPool2DLayer,
+    Pool1DLayer,
+    Pool2DLayer,
+)
+from synk_lasagne.layers.shape import (
+    DimshuffleLayer,
+    FlattenLayer,
+    PadLayer,
+    ReshapeLayer,
+    SliceLayer,
+    dimshuffle,
+    flatten,
+    pad,
+    reshape,
+)
 from synk_lasagne.layers.special import ExpressionLayer, NonlinearityLayer
 
-__all__ = ["BatchNormLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "DenseLayer", "DropoutLayer",
-           "ElemwiseSumLayer", "ExpressionLayer", "FlattenLayer", "GlobalPoolLayer", "InputLayer", "Layer",
-           "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NonlinearityLayer", "Pool1DLayer", "Pool2DLayer",
-           "ReshapeLayer", "add_state_updates", "average_running_statistics", "batch_norm", "concat",
-           "count_params", "dropout", "flatten", "get_all_layers", "get_all_param_values", "get_all_params",
-           "get_output", "get_output_shape", "get_running_statistics", "get_state_updates", "reshape",
-           "set_all_param_values"]
+__all__ = ["BatchNormLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "DenseLayer", "DimshuffleLayer",
+           "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer", "FeaturePoolLayer",
+           "FeatureWTALayer", "FlattenLayer", "GaussianNoiseLayer", "GlobalPoolLayer", "InputLayer", "Layer",
+           "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer",
+           "Pool1DLayer", "Pool2DLayer", "ReshapeLayer", "SliceLayer", "add_state_updates",
+           "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle", "dropout", "flatten",
+           "get_all_layers", "get_all_param_values", "get_all_params", "get_output", "get_output_shape",
+           "get_running_statistics", "get_state_updates", "pad", "reshape", "set_all_param_values"]

@@ -13,7 +13,8 @@ from synk_lasagne.layers.base import Layer
 from synk_lasagne.pool import pool2d
 from synk_lasagne.pool import pool_output_length as _full_windows
 
-__all__ = ["GlobalPoolLayer", "MaxPool1DLayer", "MaxPool2DLayer", "Pool1DLayer", "Pool2DLayer", "pool_output_length"]
+__all__ = ["FeaturePoolLayer", "FeatureWTALayer", "GlobalPoolLayer", "MaxPool1DLayer", "MaxPool2DLayer",
+           "Pool1DLayer", "Pool2DLayer", "pool_output_length"]
 
 
 def pool_output_length(input_length: Any, pool_size: int, stride: int, pad: int, ignore_border: bool) -> Any:
@@ -180,3 +181,54 @@ class GlobalPoolLayer(Layer):
 
     def get_output_for(self, input: Any, **kwargs: Any) -> Any:
         return self.pool_function(input, axis=tuple(range(2, input.ndim)))  # no reshape: static shapes under JAX
+
+
+class FeaturePoolLayer(Layer):
+    """``pool_function`` over groups of ``pool_size`` consecutive features along ``axis`` (maxout)."""
+
+    def __init__(self, incoming: Any, pool_size: int, axis: int = 1, pool_function: Callable[..., Any] | None = None,
+                 **kwargs: Any) -> None:
+        import pytensor.tensor as pt
+
+        super().__init__(incoming, **kwargs)
+        self.pool_size, self.axis = pool_size, axis
+        self.pool_function = pt.max if pool_function is None else pool_function
+        features = self.input_shape[axis]
+        if features % pool_size:
+            raise ValueError(f"Number of input feature maps ({features}) is not a multiple of the pool size "
+                             f"(pool_size={pool_size})")
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        out = list(input_shape)
+        out[self.axis] = input_shape[self.axis] // self.pool_size
+        return tuple(out)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        shape = [input.shape[i] for i in range(input.ndim)]
+        axis = self.axis % input.ndim
+        grouped = (*shape[:axis], shape[axis] // self.pool_size, self.pool_size, *shape[axis + 1:])
+        return self.pool_function(input.reshape(grouped), axis=axis + 1)
+
+
+class FeatureWTALayer(Layer):
+    """Winner takes all in groups of ``pool_size`` features along ``axis``: the largest kept, the
+    others zero."""
+
+    def __init__(self, incoming: Any, pool_size: int, axis: int = 1, **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        self.pool_size, self.axis = pool_size, axis
+        features = self.input_shape[axis]
+        if features % pool_size:
+            raise ValueError(f"Number of input feature maps ({features}) is not a multiple of the region size "
+                             f"(pool_size={pool_size})")
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        shape = [input.shape[i] for i in range(input.ndim)]
+        axis = self.axis % input.ndim
+        grouped = input.reshape((*shape[:axis], shape[axis] // self.pool_size, self.pool_size, *shape[axis + 1:]))
+        winner = pt.argmax(grouped, axis=axis + 1, keepdims=True)
+        position = pt.arange(self.pool_size).reshape((*([1] * (axis + 1)), self.pool_size,
+                                                      *([1] * (input.ndim - axis - 1))))
+        return input * pt.cast(pt.eq(winner, position), input.dtype).reshape(input.shape)
