@@ -33,6 +33,11 @@ THEANO_NAMES = {
 """Names of Theano's top-level module -> where PyTensor has them (the rest: ``pytensor``'s own)."""
 
 
+ABSENT_BACKENDS = {"theano.gpuarray": {"pygpu_activated": False}}
+"""Theano's GPU back ends, which PyTensor does not have: each a module that says it is not active
+(the suite then takes its CPU paths, as on a Theano without a GPU)."""
+
+
 class _TheanoModule(ModuleType):
     """``theano``: PyTensor's top-level module under Theano's name, with :data:`THEANO_NAMES`."""
 
@@ -72,10 +77,22 @@ class _AliasLoader(importlib.abc.Loader):
         module.__spec__ = self.spec  # the import system set the alias's spec: the module keeps its own
 
 
+class _AbsentLoader(importlib.abc.Loader):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = ModuleType(spec.name)
+        vars(module).update(ABSENT_BACKENDS[spec.name])
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass
+
+
 class AliasFinder(importlib.abc.MetaPathFinder):
     """Resolves the suite's module names to synk_lasagne's and PyTensor's modules."""
 
     def find_spec(self, fullname: str, path: Any = None, target_: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname in ABSENT_BACKENDS:
+            return importlib.machinery.ModuleSpec(fullname, _AbsentLoader())
         real = target(fullname)
         if real is None:
             return None

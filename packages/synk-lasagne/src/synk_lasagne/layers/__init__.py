@@ -18,7 +18,8 @@ noise                           :class:`DropoutLayer`, :class:`GaussianNoiseLaye
 embedding                       :class:`EmbeddingLayer`, :class:`NINLayer` (network in network)
 shape                           :class:`FlattenLayer`, :class:`ReshapeLayer`, :class:`DimshuffleLayer`,
                                 :class:`PadLayer`, :class:`SliceLayer`
-special                         :class:`NonlinearityLayer`, :class:`ExpressionLayer`
+special                         :class:`NonlinearityLayer`, :class:`ExpressionLayer`, :class:`BiasLayer`,
+                                :class:`ScaleLayer`, :func:`standardize`
 state updates                   :func:`get_state_updates` (batch norm's running averages, dropout's
                                 generators: what a training function must apply),
                                 :func:`add_state_updates`
@@ -83,13 +84,14 @@ from synk_lasagne.layers.shape import (
     pad,
     reshape,
 )
-from synk_lasagne.layers.special import ExpressionLayer, NonlinearityLayer
+from synk_lasagne.layers.special import BiasLayer, ExpressionLayer, NonlinearityLayer, ScaleLayer, standardize
 
-__all__ = ["BatchNormLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "DenseLayer", "DimshuffleLayer",
-           "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer", "FeaturePoolLayer",
-           "FeatureWTALayer", "FlattenLayer", "GaussianNoiseLayer", "GlobalPoolLayer", "InputLayer", "Layer",
-           "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer",
-           "Pool1DLayer", "Pool2DLayer", "ReshapeLayer", "SliceLayer", "add_state_updates",
-           "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle", "dropout", "flatten",
-           "get_all_layers", "get_all_param_values", "get_all_params", "get_output", "get_output_shape",
-           "get_running_statistics", "get_state_updates", "pad", "reshape", "set_all_param_values"]
+__all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "DenseLayer",
+           "DimshuffleLayer", "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
+           "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GaussianNoiseLayer", "GlobalPoolLayer",
+           "InputLayer", "Layer", "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer",
+           "PadLayer", "Pool1DLayer", "Pool2DLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
+           "add_state_updates", "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle",
+           "dropout", "flatten", "get_all_layers", "get_all_param_values", "get_all_params", "get_output",
+           "get_output_shape", "get_running_statistics", "get_state_updates", "pad", "reshape",
+           "set_all_param_values", "standardize"]
