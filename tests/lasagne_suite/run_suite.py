@@ -52,8 +52,12 @@ def theano_only(nodeid: str) -> str | None:
 
 def download_release(version: str, into: Path) -> Path:
     """Lasagne ``version``'s source distribution from PyPI, unpacked; its root directory."""
-    subprocess.run([sys.executable, "-m", "pip", "download", f"lasagne=={version}", "--no-deps", "--no-binary",
-                    ":all:", "-q", "-d", str(into)], check=True, timeout=300)
+    import importlib.util
+
+    # this interpreter's pip, else the one on PATH (a uv-made environment has none of its own)
+    pip = [sys.executable, "-m", "pip"] if importlib.util.find_spec("pip") else [shutil.which("pip3") or "pip"]
+    subprocess.run([*pip, "download", f"lasagne=={version}", "--no-deps", "--no-binary", ":all:", "-q", "-d",
+                    str(into)], check=True, timeout=300)
     (archive,) = into.glob("*.tar.gz")
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
