@@ -261,7 +261,7 @@ def test_objectives_against_numpy():
     loss = objectives.aggregate(objectives.squared_error(p, y), w, mode="normalized_sum")
     np.testing.assert_allclose(loss.eval({p: pv, y: yv, w: np.array([1.0, 2.0, 1.0])}),
                                np.sum([1, 2, 1] * (pv - yv) ** 2) / 4)
-    with pytest.raises(ValueError, match="needs weights"):
+    with pytest.raises(ValueError, match="require weights"):
         objectives.aggregate(p, mode="normalized_sum")
 
 
