@@ -313,7 +313,7 @@ def average_over_ranks(grads: Sequence[Any]) -> list[Any]:
     if len(grads) == 1 or not _flat_all_reduce_pays():
         return [ops.all_reduce(g, "avg") for g in grads]
     dtype = str(np.result_type(*(g.dtype for g in grads)))
-    reduced = ops.all_reduce(pt.concatenate([pt.cast(g, dtype).ravel() for g in grads]), "avg")
+    reduced: Any = ops.all_reduce(pt.concatenate([pt.cast(g, dtype).ravel() for g in grads]), "avg")
     out, offset = [], 0
     for g in grads:
         size = pt.prod(g.shape) if g.ndim else 1
