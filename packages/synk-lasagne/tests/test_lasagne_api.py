@@ -145,3 +145,19 @@ def test_theano_extensions_conv_and_pad(impl):
     np.testing.assert_allclose(run(out, (x, xv), (w, wv)), numpy_conv1d(xv, wv, 2), rtol=1e-10)
     np.testing.assert_allclose(pad(pt.constant(xv), 2, val=3, batch_ndim=2).eval(),
                                np.pad(xv, ((0, 0), (0, 0), (2, 2)), constant_values=3))
+
+
+@pytest.mark.parametrize("mode", ["repeat", "dilate"])
+def test_upscale_layers_match_numpy(mode):
+    x = pt.tensor4("x")
+    xv = RNG.normal(size=(2, 1, 2, 3))
+    layer = layers.Upscale2DLayer(layers.InputLayer((None, 1, 2, 3), x), (2, 3), mode=mode)
+    if mode == "repeat":
+        expected = np.repeat(np.repeat(xv, 2, axis=2), 3, axis=3)
+    else:
+        expected = np.zeros((2, 1, 4, 9))
+        expected[:, :, ::2, ::3] = xv
+    np.testing.assert_allclose(run(layers.get_output(layer), (x, xv)), expected)
+    assert layer.output_shape == (None, 1, 4, 9)
+    with pytest.raises(ValueError, match="Scale factor"):
+        layers.Upscale1DLayer(layers.InputLayer((None, 1, 3)), 0)

@@ -10,7 +10,8 @@ dense                           :class:`DenseLayer`
 convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stride, pad, dilation, groups, flip_filters)
 pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
                                 :class:`Pool2DLayer`, :class:`GlobalPoolLayer`,
-                                :class:`FeaturePoolLayer`, :class:`FeatureWTALayer`
+                                :class:`FeaturePoolLayer`, :class:`FeatureWTALayer`,
+                                :class:`Upscale1DLayer`, :class:`Upscale2DLayer`, :class:`Upscale3DLayer`
 normalization                   :class:`BatchNormLayer`, :func:`batch_norm`,
                                 :func:`average_running_statistics`, :func:`get_running_statistics`
 merge                           :class:`ElemwiseSumLayer`, :class:`ConcatLayer`
@@ -72,6 +73,9 @@ from synk_lasagne.layers.pool import (
     MaxPool2DLayer,
     Pool1DLayer,
     Pool2DLayer,
+    Upscale1DLayer,
+    Upscale2DLayer,
+    Upscale3DLayer,
 )
 from synk_lasagne.layers.shape import (
     DimshuffleLayer,
@@ -90,8 +94,8 @@ __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DL
            "DimshuffleLayer", "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
            "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GaussianNoiseLayer", "GlobalPoolLayer",
            "InputLayer", "Layer", "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer",
-           "PadLayer", "Pool1DLayer", "Pool2DLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
-           "add_state_updates", "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle",
-           "dropout", "flatten", "get_all_layers", "get_all_param_values", "get_all_params", "get_output",
-           "get_output_shape", "get_running_statistics", "get_state_updates", "pad", "reshape",
-           "set_all_param_values", "standardize"]
+           "PadLayer", "Pool1DLayer", "Pool2DLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer", "Upscale1DLayer",
+           "Upscale2DLayer", "Upscale3DLayer", "add_state_updates", "average_running_statistics", "batch_norm",
+           "concat", "count_params", "dimshuffle", "dropout", "flatten", "get_all_layers", "get_all_param_values",
+           "get_all_params", "get_output", "get_output_shape", "get_running_statistics", "get_state_updates", "pad",
+           "reshape", "set_all_param_values", "standardize"]

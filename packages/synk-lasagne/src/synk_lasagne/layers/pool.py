@@ -14,7 +14,7 @@ from synk_lasagne.pool import pool2d
 from synk_lasagne.pool import pool_output_length as _full_windows
 
 __all__ = ["FeaturePoolLayer", "FeatureWTALayer", "GlobalPoolLayer", "MaxPool1DLayer", "MaxPool2DLayer",
-           "Pool1DLayer", "Pool2DLayer", "pool_output_length"]
+           "Pool1DLayer", "Pool2DLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "pool_output_length"]
 
 
 def pool_output_length(input_length: Any, pool_size: int, stride: int, pad: int, ignore_border: bool) -> Any:
@@ -232,3 +232,65 @@ class FeatureWTALayer(Layer):
         position = pt.arange(self.pool_size).reshape((*([1] * (axis + 1)), self.pool_size,
                                                       *([1] * (input.ndim - axis - 1))))
         return input * pt.cast(pt.eq(winner, position), input.dtype).reshape(input.shape)
+
+
+class _UpscaleLayer(Layer):
+    """Upscaling of the last ``n`` axes by integer factors: ``"repeat"`` repeats each value,
+    ``"dilate"`` puts it at the first position of its block and zeros elsewhere."""
+
+    n = 2
+
+    def __init__(self, incoming: Any, scale_factor: Any, mode: str = "repeat", **kwargs: Any) -> None:
+        from synk_lasagne.utils import as_tuple
+
+        super().__init__(incoming, **kwargs)
+        self.scale_factor = tuple(as_tuple(scale_factor, self.n))
+        if any(f < 1 for f in self.scale_factor):
+            raise ValueError(f"Scale factor must be >= 1, not {self.scale_factor}")
+        if mode not in ("repeat", "dilate"):
+            raise ValueError(f"Mode must be either 'repeat' or 'dilate', not {mode}")
+        self.mode = mode
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        out = list(input_shape)
+        for i, factor in enumerate(self.scale_factor):
+            axis = len(out) - self.n + i
+            if out[axis] is not None:
+                out[axis] = out[axis] * factor
+        return tuple(out)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        first = input.ndim - self.n
+        if self.mode == "repeat":
+            out = input
+            for i, factor in enumerate(self.scale_factor):
+                if factor > 1:
+                    out = pt.repeat(out, factor, axis=first + i)
+            return out
+        if all(f == 1 for f in self.scale_factor):
+            return input
+        shape = [input.shape[a] for a in range(input.ndim)]
+        for i, factor in enumerate(self.scale_factor):
+            shape[first + i] = shape[first + i] * factor
+        index = (slice(None),) * first + tuple(slice(None, None, f) for f in self.scale_factor)
+        return pt.set_subtensor(pt.zeros(shape, dtype=input.dtype)[index], input)
+
+
+class Upscale1DLayer(_UpscaleLayer):
+    """Upscaling of the last axis of ``(batch, channels, length)`` input (Lasagne's)."""
+
+    n = 1
+
+
+class Upscale2DLayer(_UpscaleLayer):
+    """Upscaling of the last two axes (Lasagne's)."""
+
+    n = 2
+
+
+class Upscale3DLayer(_UpscaleLayer):
+    """Upscaling of the last three axes (Lasagne's)."""
+
+    n = 3
