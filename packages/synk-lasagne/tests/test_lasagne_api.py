@@ -161,3 +161,15 @@ def test_upscale_layers_match_numpy(mode):
     assert layer.output_shape == (None, 1, 4, 9)
     with pytest.raises(ValueError, match="Scale factor"):
         layers.Upscale1DLayer(layers.InputLayer((None, 1, 3)), 0)
+
+
+def test_standardization_layer_and_huber_loss_match_numpy():
+    from synk_lasagne import objectives
+
+    x = pt.tensor4("x")
+    xv = RNG.normal(size=(2, 3, 4, 4)) * 3 + 1
+    out = run(layers.get_output(layers.StandardizationLayer(layers.InputLayer((None, 3, 4, 4), x))), (x, xv))
+    mean, var = xv.mean(axis=(2, 3), keepdims=True), xv.var(axis=(2, 3), keepdims=True)
+    np.testing.assert_allclose(out, (xv - mean) / np.sqrt(var + 1e-4), rtol=1e-10)
+    p, t = np.array([0.0, 0.5, 3.0]), np.zeros(3)
+    np.testing.assert_allclose(objectives.huber_loss(pt.constant(p), pt.constant(t)).eval(), [0.0, 0.125, 2.5])

@@ -12,7 +12,7 @@ pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :
                                 :class:`Pool2DLayer`, :class:`GlobalPoolLayer`,
                                 :class:`FeaturePoolLayer`, :class:`FeatureWTALayer`,
                                 :class:`Upscale1DLayer`, :class:`Upscale2DLayer`, :class:`Upscale3DLayer`
-normalization                   :class:`BatchNormLayer`, :func:`batch_norm`,
+normalization                   :class:`BatchNormLayer`, :func:`batch_norm`, :class:`StandardizationLayer`,
                                 :func:`average_running_statistics`, :func:`get_running_statistics`
 merge                           :class:`ElemwiseSumLayer`, :class:`ConcatLayer`
 noise                           :class:`DropoutLayer`, :class:`GaussianNoiseLayer`
@@ -61,6 +61,7 @@ from synk_lasagne.layers.merge import ConcatLayer, ElemwiseSumLayer, concat
 from synk_lasagne.layers.noise import DropoutLayer, GaussianNoiseLayer, dropout
 from synk_lasagne.layers.normalization import (
     BatchNormLayer,
+    StandardizationLayer,
     average_running_statistics,
     batch_norm,
     get_running_statistics,
@@ -94,8 +95,8 @@ __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DL
            "DimshuffleLayer", "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
            "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GaussianNoiseLayer", "GlobalPoolLayer",
            "InputLayer", "Layer", "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer",
-           "PadLayer", "Pool1DLayer", "Pool2DLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer", "Upscale1DLayer",
-           "Upscale2DLayer", "Upscale3DLayer", "add_state_updates", "average_running_statistics", "batch_norm",
-           "concat", "count_params", "dimshuffle", "dropout", "flatten", "get_all_layers", "get_all_param_values",
-           "get_all_params", "get_output", "get_output_shape", "get_running_statistics", "get_state_updates", "pad",
-           "reshape", "set_all_param_values", "standardize"]
+           "PadLayer", "Pool1DLayer", "Pool2DLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
+           "StandardizationLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates",
+           "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle", "dropout", "flatten",
+           "get_all_layers", "get_all_param_values", "get_all_params", "get_output", "get_output_shape",
+           "get_running_statistics", "get_state_updates", "pad", "reshape", "set_all_param_values", "standardize"]
