@@ -88,11 +88,13 @@ def build(name: str, mode: str | None, lr: float) -> tuple[Any, Any, list[Any], 
         return params, -pt.mean(pt.special.log_softmax(logits, axis=1)[pt.arange(y.shape[0]), y])
 
     flat_params, loss = model()
-    rule = getattr(updates, name)(loss, flat_params, learning_rate=lr)
-    flat_grad = rule.flat_grad
+    # the step function of make_train_function's chain: the rule on the views of the all-reduced flat gradient
+    flat_grad, _, views = updates.flat_gradient(loss, flat_params, 1.0)
+    with updates.no_all_reduce():
+        rule = getattr(updates, name)(views, flat_params, learning_rate=lr)
     gradient = np.concatenate([rng.normal(0, 1e-2, flat_grad.get_value().size - 1), [1.0]]).astype("float32")
     flat_grad.set_value(gradient)
-    flat_fn = pytensor.function([], [], updates=list(rule.param_updates.items()), mode=mode)
+    flat_fn = pytensor.function([], [], updates=list(rule.items()), mode=mode)
     per_params, _ = model()
     per_fn = pytensor.function([], [], updates=list(per_parameter_rule(name, per_params, flat_grad, lr).items()),
                                mode=mode)

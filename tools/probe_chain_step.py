@@ -125,20 +125,22 @@ def packed(blocks: int) -> None:
         params, mlp = job.build_mlp(data.x_train.shape[1], 64, 8, data.n_classes, 0)
         x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
         train = make_train_function(job.cross_entropy(mlp(x), y), params, [x, y], updates.adam, learning_rate=3e-3)
-        rule = train.rule
+        flat_grad, local_flat, grad_views = updates.flat_gradient(job.cross_entropy(mlp(x), y), params, x.shape[0])
+        with updates.no_all_reduce():
+            moved = updates.adam(grad_views, params, learning_rate=3e-3)
         shapes = [p.get_value().shape for p in params]
         bounds = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
         flat = pytensor.shared(np.concatenate([p.get_value().ravel() for p in params]), name="packed_params")
         whole = pt.specify_shape(flat, (int(bounds[-1]),))  # static shapes: the views' gradients trace in JAX
         views = [(p, whole[bounds[i]:bounds[i + 1]].reshape(s)) for i, (p, s) in enumerate(zip(params, shapes))]
-        grad_fn = synk.function([x, y], job.cross_entropy(mlp(x), y), updates=rule.grad_updates, givens=views)
-        moved = rule.param_updates
+        grad_fn = synk.function([x, y], job.cross_entropy(mlp(x), y), updates=[(flat_grad, local_flat, "sum")],
+                                givens=views)
         state = [(var, value) for var, value in moved.items() if var not in dict(views)]
         step_fn = synk.function([], None, updates=[(flat, pt.concatenate([moved[p].ravel() for p in params])),
                                                    *state], givens=views)
         steps: dict[str, Any] = {
             "per parameter (TrainFunction.chain)": train.chain,
-            "packed (prototype)": synk.chain(grad_fn, all_reduce=rule.flat_grad, op="sum", then=step_fn,
+            "packed (prototype)": synk.chain(grad_fn, all_reduce=flat_grad, op="sum", then=step_fn,
                                              zeros_if_idle=True),
         }
         if os.environ.get("SYNK_PROBE_NO_REDUCE"):  # what a free all-reduce would save (wrong maths)

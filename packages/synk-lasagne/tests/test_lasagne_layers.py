@@ -169,7 +169,7 @@ def test_params_from_arrays_and_shared_variables():
     assert dense.W is w and np.array_equal(dense.b.get_value(), [0.0, 1.0])
     with pytest.raises(ValueError, match="shape"):
         layers.DenseLayer(layers.InputLayer((None, 4)), 2, W=w)
-    with pytest.raises(TypeError, match="initialiser"):
+    with pytest.raises(TypeError, match="callable"):
         layers.DenseLayer(layers.InputLayer((None, 3)), 2, W="glorot")
 
 
@@ -261,7 +261,7 @@ def test_objectives_against_numpy():
     loss = objectives.aggregate(objectives.squared_error(p, y), w, mode="normalized_sum")
     np.testing.assert_allclose(loss.eval({p: pv, y: yv, w: np.array([1.0, 2.0, 1.0])}),
                                np.sum([1, 2, 1] * (pv - yv) ** 2) / 4)
-    with pytest.raises(ValueError, match="needs weights"):
+    with pytest.raises(ValueError, match="require weights"):
         objectives.aggregate(p, mode="normalized_sum")
 
 

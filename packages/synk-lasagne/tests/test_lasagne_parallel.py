@@ -119,8 +119,8 @@ class RmspropWithMomentum:
 
 
 def test_apply_momentum_composes_with_a_rule(ranks, data, reference):
-    def rule(loss, params, weight):
-        return updates.apply_momentum(updates.rmsprop(loss, params, 0.01, weight=weight), params, momentum=0.5)
+    def rule(loss_or_grads, params):
+        return updates.apply_momentum(updates.rmsprop(loss_or_grads, params, 0.01), params, momentum=0.5)
 
     train, params = build(rule)
     # rmsprop's accumulator: one flat vector; apply_momentum's velocities: one per parameter
@@ -142,9 +142,9 @@ class SgdWithNormConstraint:
 
 
 def test_norm_constraint_on_a_parameter_update(ranks, data, reference):
-    def rule(loss, params, weight):
-        result = updates.sgd(loss, params, 0.5, weight=weight)
-        result.param_updates[params[0]] = updates.norm_constraint(result.param_updates[params[0]], 0.6)
+    def rule(loss_or_grads, params):
+        result = updates.sgd(loss_or_grads, params, 0.5)
+        result[params[0]] = updates.norm_constraint(result[params[0]], 0.6)
         return result
 
     train, params = build(rule)
@@ -222,3 +222,31 @@ def test_the_step_is_one_function_with_the_all_reduce_in_its_graph(ranks, data, 
         np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
         assert_every_rank(params, ref, ranks, f"{len(idx)} rows")
     assert train._sliced is None
+
+
+@pytest.mark.parametrize("name", ["sgd", "nesterov_momentum", "adam"])
+def test_lasagnes_idiom_in_a_synk_function(name, ranks, data, reference):
+    """Lasagne's step, ``function([x, y], loss, updates=rule(loss, params, ...))``, built with
+    ``synk.function``: the rule's in-graph average makes it the single-process step on uneven
+    batches (and on a batch of one row, which leaves ranks without rows)."""
+    x, y = pt.matrix("x"), pt.ivector("y")
+    params = shared_params(initial_params())
+    loss = loss_graph(x, y, params)
+    step = synk.function([x, y], loss, updates=getattr(updates, name)(loss, params, **RULES[name]), **FAST)
+    train_and_compare(lambda *a, **k: step(*a, **k), params, NumpyRule(name, **RULES[name]), data, reference,
+                      ranks, f"synk.function with {name}'s updates")
+
+
+def test_lasagnes_idiom_equals_make_train_function(ranks, data):
+    """The rule's updates in a synk.function and make_train_function take the same steps."""
+    x, y = pt.matrix("x"), pt.ivector("y")
+    a, b = shared_params(initial_params()), shared_params(initial_params())
+    loss_a = loss_graph(x, y, a)
+    step = synk.function([x, y], loss_a, updates=updates.adam(loss_a, a, learning_rate=0.01), **FAST)
+    train = make_train_function(loss_graph(x, y, b), b, [x, y], updates.adam, learning_rate=0.01,
+                                function_kwargs=FAST)
+    _, _, x_data, y_data = data
+    for idx in batches()[:3]:
+        np.testing.assert_allclose(step(x_data, y_data, batch=idx), train(x_data, y_data, batch=idx), rtol=RTOL)
+    for pa, pb in zip(synk.gather(a, nd_up=1), synk.gather(b, nd_up=1)):
+        np.testing.assert_allclose(pa, pb, rtol=RTOL, atol=ATOL)

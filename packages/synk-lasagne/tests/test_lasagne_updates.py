@@ -15,7 +15,7 @@ import pytest
 from lasagne_testutil import FAST, NumpyRule, Reference, initial_params, loss_graph, make_data, shared_params
 
 import synk_lasagne
-from synk_lasagne import RuleUpdates, mnist, training, updates
+from synk_lasagne import mnist, training, updates
 
 RULES = ["sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta", "adam", "adamax", "amsgrad"]
 
@@ -49,7 +49,7 @@ def test_public_surface():
         assert hasattr(synk_lasagne, name)
     for name in updates.__all__:
         obj = getattr(updates, name)
-        assert obj.__doc__ and (name in updates.__doc__ or name == "RuleUpdates"), f"{name} is not in the module map"
+        assert obj.__doc__ and name in updates.__doc__, f"{name} is not in the module map"
 
 
 @pytest.mark.parametrize("module", [updates, training, mnist, synk_lasagne], ids=lambda m: m.__name__)
@@ -62,22 +62,20 @@ def test_docstring_examples(module):
 @pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
 @pytest.mark.parametrize("name", RULES)
 def test_rule_in_one_process_matches_numpy(name, clip):
-    """Size 1: the rule's two functions as plain PyTensor functions, three steps; clipped: with a
-    grad_transform (total_norm_constraint), whose per-parameter gradients the rule joins again."""
+    """Lasagne's idiom in one process: ``pytensor.function(..., updates=rule(loss, params))``,
+    three steps against numpy; clipped: with a grad_transform (total_norm_constraint)."""
     x, y = pt.matrix("x"), pt.ivector("y")
     params = shared_params(initial_params())
     hyper = {"learning_rate": 0.05} if name not in ("adadelta", "adamax") else {}
     transform = {"grad_transform": lambda g: updates.total_norm_constraint(g, 0.05)} if clip else {}
-    rule = getattr(updates, name)(loss_graph(x, y, params), params, weight=x.shape[0], **hyper, **transform)
-    assert isinstance(rule, RuleUpdates)
-    f_grad = pytensor.function([x, y], [], updates=[u[:2] for u in rule.grad_updates], **FAST)
-    f_step = pytensor.function([], [], updates=rule.param_updates, **FAST)
+    rule = getattr(updates, name)(loss_graph(x, y, params), params, **hyper, **transform)
+    assert type(rule) is OrderedDict
+    step = pytensor.function([x, y], [], updates=rule, **FAST)
     ref_hyper = {**hyper, "max_norm": 0.05} if clip else hyper
     reference, ref_rule, ref = Reference(), NumpyRule(name, **ref_hyper), initial_params()
     xv, yv = make_data(30)
     for rows in (slice(0, 10), slice(10, 13), slice(13, 30)):
-        f_grad(xv[rows], yv[rows])
-        f_step()
+        step(xv[rows], yv[rows])
         ref = ref_rule.step(ref, reference(xv[rows], yv[rows], ref)[1])
         for p, e in zip(params, ref):
             np.testing.assert_allclose(p.get_value(), e, rtol=1e-10, atol=1e-13, err_msg=f"{name}: {p.name}")
@@ -85,14 +83,14 @@ def test_rule_in_one_process_matches_numpy(name, clip):
 
 @pytest.mark.parametrize("name", RULES)
 def test_rule_state_is_flat_vectors_after_the_parameters(name):
-    """param_updates: the parameters in their order, then the rule's state, each a vector of
-    every parameter value (flat_grad's order), and Adam's counter."""
+    """The updates: the parameters in their order, then the rule's state, each a vector of every
+    parameter value (the parameters' order), and Adam's counter."""
     x, y = pt.matrix("x"), pt.ivector("y")
     params = shared_params(initial_params())
     rule = getattr(updates, name)(loss_graph(x, y, params), params, learning_rate=0.1)
-    keys = list(rule.param_updates)
+    keys = list(rule)
     assert keys[:len(params)] == params
-    total = rule.flat_grad.get_value().size - 1
+    total = sum(p.get_value().size for p in params)
     state = keys[len(params):]
     for v in state:
         assert v.get_value().shape == (() if v.name == "t" else (total,)), v.name
@@ -102,17 +100,41 @@ def test_rule_state_is_flat_vectors_after_the_parameters(name):
     assert [v.name for v in state] == expected
 
 
+def _all_reduces(exprs):
+    from synkhronos import ops
+
+    return [n.op for n in ops.collective_nodes(exprs)]
+
+
+def test_one_average_all_reduce_identity_in_a_plain_function():
+    """The rules average the joined gradients with ONE in-graph all-reduce (avg), the identity in a
+    plain function; inside no_all_reduce() they read the gradients as given."""
+    from synkhronos import ops
+
+    x, y = pt.matrix("x"), pt.ivector("y")
+    params = shared_params(initial_params())
+    loss = loss_graph(x, y, params)
+    assert _all_reduces(updates.adam(loss, params).values()) == [ops.AllReduce("avg")]
+    with updates.no_all_reduce():
+        assert _all_reduces(updates.adam(loss, params).values()) == []
+    grads = updates.average_over_ranks(pytensor.grad(loss, params))
+    assert _all_reduces(grads) == [ops.AllReduce("avg")]
+    xv, yv = make_data(9)
+    values = pytensor.function([x, y], grads, **FAST)(xv, yv)
+    for got, expected in zip(values, Reference()(xv, yv, initial_params())[1]):
+        np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
 def test_flat_gradient_layout():
     """flat_grad = weight * concatenated raveled gradients, then the weight; views divide by it."""
     x = pt.matrix("x")
     a = pytensor.shared(np.arange(6.0).reshape(2, 3), name="a")
     b = pytensor.shared(np.ones(2), name="b")
     loss = pt.mean(x @ a.T @ b)  # rows of x: 3 values
-    (update,), views, flat = updates.flat_gradient(loss, [a, b], weight=x.shape[0])
-    assert update[0] is flat and update[2] == "sum"
+    flat, expr, views = updates.flat_gradient(loss, [a, b], x.shape[0])
     assert flat.get_value().shape == (6 + 2 + 1,)
     xv = np.arange(12.0).reshape(4, 3)
-    pytensor.function([x], [], updates=[update[:2]], **FAST)(xv)
+    pytensor.function([x], [], updates=[(flat, expr)], **FAST)(xv)
     ga, gb = pytensor.grad(loss, [a, b])
     exact_a, exact_b = pytensor.function([x], [ga, gb], **FAST)(xv)
     np.testing.assert_allclose(flat.get_value(), np.concatenate([4 * exact_a.ravel(), 4 * exact_b, [4.0]]))
@@ -121,14 +143,10 @@ def test_flat_gradient_layout():
     np.testing.assert_allclose(view_b, exact_b)
 
 
-def test_default_weight_counts_each_rank_once():
+def test_get_or_compute_grads_returns_given_gradients():
     w = pytensor.shared(np.zeros(2), name="w")
-    rule = updates.sgd(pt.sum(w * np.array([1.0, 2.0])), [w], learning_rate=1.0)
-    grad_updates, param_updates, flat = rule  # unpacks like the seed's triple
-    pytensor.function([], [], updates=[u[:2] for u in grad_updates], **FAST)()
-    np.testing.assert_array_equal(flat.get_value(), [1.0, 2.0, 1.0])
-    pytensor.function([], [], updates=param_updates, **FAST)()
-    np.testing.assert_array_equal(w.get_value(), [-1.0, -2.0])
+    grads = [pt.ones(2)]
+    assert updates.get_or_compute_grads(grads, [w]) is grads
 
 
 def test_apply_momentum_keeps_lasagne_semantics():
@@ -151,9 +169,9 @@ def test_one_counter_for_every_parameter():
     x, y = pt.matrix("x"), pt.ivector("y")
     for name in ("adam", "adamax", "amsgrad"):
         rule = getattr(updates, name)(loss_graph(x, y, params), params)
-        counters = [v for v in rule.param_updates if v.name == "t"]
+        counters = [v for v in rule if v.name == "t"]
         assert len(counters) == 1, f"{name} has {len(counters)} step counters"
-        pytensor.function([], [], updates=rule.param_updates, **FAST)  # compiles with 4 parameters
+        pytensor.function([x, y], [], updates=rule, **FAST)  # compiles with 4 parameters
 
 
 def test_norm_constraint_matches_numpy():
@@ -193,18 +211,17 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="grad_transform returned"):
         updates.sgd(loss, [w], 0.1, grad_transform=lambda g: [])
     with pytest.raises(ValueError, match="weight must be a scalar"):
-        updates.sgd(loss, [w], 0.1, weight=x)
+        updates.flat_gradient(loss, [w], x)
     i = pytensor.shared(np.zeros(2, dtype="int64"), name="i")
     with pytest.raises(ValueError, match="floating point"):
-        updates.flat_gradient([pt.zeros(2)], [i])
+        updates.sgd([pt.zeros(2)], [i], 0.1)
 
 
 def test_float32_params_stay_float32():
     w = pytensor.shared(np.ones(3, dtype="float32"), name="w")
     x = pt.matrix("x", dtype="float32")
-    rule = updates.adam(pt.mean(x @ w), [w], learning_rate=0.1, weight=x.shape[0])
-    assert rule.flat_grad.type.dtype == "float32"
-    assert all(expr.dtype == var.type.dtype for var, expr in rule.param_updates.items())
+    rule = updates.adam(pt.mean(x @ w), [w], learning_rate=0.1)
+    assert all(var.type.dtype == "float32" and expr.dtype == "float32" for var, expr in rule.items())
 
 
 def test_layers_import_alone():
@@ -217,3 +234,21 @@ def test_layers_import_alone():
             "bad = [m for m in ('sklearn', 'matplotlib', 'tqdm', 'jax') if m in sys.modules]; assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_rules_apply_the_state_updates_of_their_loss():
+    """Lasagne's idiom in a plain function advances batch norm's running averages (as Lasagne's
+    graph does): the rule's updates hold the loss's state updates, gradients alone do not."""
+    from synk_lasagne import layers
+
+    x = pt.matrix("x")
+    net = layers.BatchNormLayer(layers.InputLayer((None, 2), x), alpha=0.5)
+    out = layers.DenseLayer(net, 1)
+    loss = pt.mean(layers.get_output(out) ** 2)
+    params = layers.get_all_params(out, trainable=True)
+    rule = updates.sgd(loss, params, 0.1)
+    assert net.mean in rule and net.inv_std in rule
+    assert net.mean not in updates.sgd(pytensor.grad(loss, params), params, 0.1)
+    xv = np.array([[1.0, 2.0], [3.0, 6.0]])
+    pytensor.function([x], loss, updates=rule, **FAST)(xv)
+    np.testing.assert_allclose(net.mean.get_value(), 0.5 * xv.mean(axis=0))

@@ -2,8 +2,8 @@
 
 Lasagne itself does not run on PyTensor (it imports ``theano.tensor.nnet``); this package gives
 its API on PyTensor graphs -- layers, initialisers, nonlinearities, objectives, regularization,
-and update rules built for data parallelism (every rank writes its gradient into ONE flat
-vector, one all-reduce combines them, every rank applies the same update) -- the convolution and
+and update rules that are data-parallel for free (inside a Synkhronos function they average the
+gradients over the ranks with one in-graph all-reduce; in a plain function they are Lasagne's) -- the convolution and
 pooling Ops that networks need, and what a user needs around them.  A Lasagne model file ports
 by changing its imports (``import synk_lasagne as lasagne``).
 
@@ -13,14 +13,15 @@ Layers (:mod:`synk_lasagne.layers`)
 Around them
     :mod:`~synk_lasagne.init`, :mod:`~synk_lasagne.nonlinearities`,
     :mod:`~synk_lasagne.objectives`, :mod:`~synk_lasagne.regularization`,
-    :mod:`~synk_lasagne.random`
+    :mod:`~synk_lasagne.random`, :mod:`~synk_lasagne.utils`
 Ops (:mod:`synk_lasagne.conv`, :mod:`synk_lasagne.pool`)
     ``conv2d`` and ``pool2d`` with gradients, on PyTensor's JAX backend (GPU) and the others
 
 Update rules (:mod:`synk_lasagne.updates`)
     :func:`~synk_lasagne.updates.sgd`, ``momentum``, ``nesterov_momentum``, ``apply_momentum``,
     ``apply_nesterov_momentum``, ``adagrad``, ``rmsprop``, ``adadelta``, ``adam``, ``adamax``,
-    ``amsgrad``, ``norm_constraint``, ``total_norm_constraint`` -> :class:`RuleUpdates`
+    ``amsgrad``, ``norm_constraint``, ``total_norm_constraint``: Lasagne's ``OrderedDict`` of
+    updates, which average the gradients over the ranks inside a Synkhronos function
 Training (:mod:`synk_lasagne.training`, :mod:`synk_lasagne.trainer`)
     :func:`make_train_function` -> :class:`TrainFunction` (one step per call),
     :func:`make_eval_function` -> :class:`EvalFunction` (named metrics), :class:`Trainer`
@@ -59,14 +60,14 @@ from synk_lasagne.trainer import (
     set_in_every_rank,
 )
 from synk_lasagne.training import EvalFunction, TrainFunction, make_eval_function, make_train_function
-from synk_lasagne.updates import RuleUpdates
 
-__all__ = ["CSVLogger", "Callback", "EvalFunction", "RuleUpdates", "Schedule", "TensorBoardLogger", "TrainFunction",
+__all__ = ["CSVLogger", "Callback", "EvalFunction", "Schedule", "TensorBoardLogger", "TrainFunction",
            "Trainer", "conv", "init", "layers", "load_checkpoint",
            "make_eval_function", "make_train_function", "mnist", "nonlinearities", "objectives", "pool", "random",
-           "regularization", "save_checkpoint", "set_in_every_rank", "updates"]
+           "regularization", "save_checkpoint", "set_in_every_rank", "theano_extensions", "updates", "utils"]
 
-_LAZY = {"conv", "init", "layers", "nonlinearities", "objectives", "pool", "random", "regularization"}
+_LAZY = {"conv", "init", "layers", "nonlinearities", "objectives", "pool", "random", "regularization",
+         "theano_extensions", "utils"}
 """Submodules imported on first use (``synk_lasagne.layers``...): importing synk_lasagne stays light."""
 
 

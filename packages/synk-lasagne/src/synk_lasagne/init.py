@@ -30,7 +30,7 @@ import numpy as np
 from synk_lasagne.random import get_rng
 
 __all__ = ["Constant", "Glorot", "GlorotNormal", "GlorotUniform", "He", "HeNormal", "HeUniform", "Initializer",
-           "Normal", "Uniform"]
+           "Normal", "Orthogonal", "Sparse", "Uniform"]
 
 
 def _floatx(values: Any) -> np.ndarray:
@@ -100,6 +100,11 @@ def _gain(gain: float | str) -> float:
     return float(gain)
 
 
+def _check_c01b(shape: tuple[int, ...]) -> None:
+    if len(shape) != 4:
+        raise RuntimeError(f"If c01b is True, only shapes of length 4 are accepted, got {shape}")
+
+
 def _check_ndim(shape: tuple[int, ...], what: str) -> None:
     if len(shape) < 2:
         raise RuntimeError(f"{what} only works with shapes of 2 or more dimensions, got {shape}")
@@ -109,41 +114,51 @@ class Glorot(Initializer):
     """Glorot/Xavier initialisation drawn by ``initializer`` (:class:`Normal` or :class:`Uniform`)
     with ``std = gain * sqrt(2 / ((shape[0] + shape[1]) * prod(shape[2:])))``."""
 
-    def __init__(self, initializer: type[Initializer], gain: float | str = 1.0) -> None:
+    def __init__(self, initializer: type[Initializer], gain: float | str = 1.0, c01b: bool = False) -> None:
         self.initializer = initializer
         self.gain = _gain(gain)
+        self.c01b = c01b
 
     def sample(self, shape: tuple[int, ...]) -> np.ndarray:
-        _check_ndim(shape, "Glorot initialisation")
-        receptive_field = int(np.prod(shape[2:]))
-        std = self.gain * np.sqrt(2.0 / ((shape[0] + shape[1]) * receptive_field))
+        if self.c01b:  # (channels, rows, columns, batch) filters: fan-in channels, fan-out the last axis
+            _check_c01b(shape)
+            n1, n2, receptive_field = shape[0], shape[3], shape[1] * shape[2]
+        else:
+            _check_ndim(shape, "Glorot initialisation")
+            n1, n2, receptive_field = shape[0], shape[1], int(np.prod(shape[2:]))
+        std = self.gain * np.sqrt(2.0 / ((n1 + n2) * receptive_field))
         return self.initializer(std=std).sample(shape)  # type: ignore[call-arg]
 
 
 class GlorotNormal(Glorot):
     """:class:`Glorot` with normal samples."""
 
-    def __init__(self, gain: float | str = 1.0) -> None:
-        super().__init__(Normal, gain)
+    def __init__(self, gain: float | str = 1.0, c01b: bool = False) -> None:
+        super().__init__(Normal, gain, c01b)
 
 
 class GlorotUniform(Glorot):
     """:class:`Glorot` with uniform samples (Lasagne's default weights)."""
 
-    def __init__(self, gain: float | str = 1.0) -> None:
-        super().__init__(Uniform, gain)
+    def __init__(self, gain: float | str = 1.0, c01b: bool = False) -> None:
+        super().__init__(Uniform, gain, c01b)
 
 
 class He(Initializer):
     """He initialisation drawn by ``initializer`` with ``std = gain * sqrt(1 / fan_in)``."""
 
-    def __init__(self, initializer: type[Initializer], gain: float | str = 1.0) -> None:
+    def __init__(self, initializer: type[Initializer], gain: float | str = 1.0, c01b: bool = False) -> None:
         self.initializer = initializer
         self.gain = _gain(gain)
+        self.c01b = c01b
 
     def sample(self, shape: tuple[int, ...]) -> np.ndarray:
-        _check_ndim(shape, "He initialisation")
-        fan_in = shape[0] if len(shape) == 2 else int(np.prod(shape[1:]))
+        if self.c01b:
+            _check_c01b(shape)
+            fan_in = int(np.prod(shape[:3]))
+        else:
+            _check_ndim(shape, "He initialisation")
+            fan_in = shape[0] if len(shape) == 2 else int(np.prod(shape[1:]))
         std = self.gain * np.sqrt(1.0 / fan_in)
         return self.initializer(std=std).sample(shape)  # type: ignore[call-arg]
 
@@ -151,15 +166,50 @@ class He(Initializer):
 class HeNormal(He):
     """:class:`He` with normal samples."""
 
-    def __init__(self, gain: float | str = 1.0) -> None:
-        super().__init__(Normal, gain)
+    def __init__(self, gain: float | str = 1.0, c01b: bool = False) -> None:
+        super().__init__(Normal, gain, c01b)
 
 
 class HeUniform(He):
     """:class:`He` with uniform samples."""
 
+    def __init__(self, gain: float | str = 1.0, c01b: bool = False) -> None:
+        super().__init__(Uniform, gain, c01b)
+
+
+class Sparse(Initializer):
+    """A matrix with ``int(sparsity * rows)`` non-zero values of ``N(0, std**2)`` in each column."""
+
+    def __init__(self, sparsity: float = 0.1, std: float = 0.01) -> None:
+        self.sparsity, self.std = sparsity, std
+
+    def sample(self, shape: tuple[int, ...]) -> np.ndarray:
+        if len(shape) != 2:
+            raise RuntimeError(f"sparse initializer only works with shapes of length 2, got {shape}")
+        rows, columns = shape
+        out = _floatx(np.zeros(shape))
+        count = int(self.sparsity * rows)
+        for column in range(columns):
+            chosen = np.arange(rows)
+            get_rng().shuffle(chosen)
+            out[chosen[:count], column] = get_rng().normal(0.0, self.std, size=count)
+        return out
+
+
+class Orthogonal(Initializer):
+    """An orthogonal matrix times ``gain`` (Saxe et al., 2013); for more than 2 dimensions, the
+    axes after the first are flattened (the fan-in of convolution filters)."""
+
     def __init__(self, gain: float | str = 1.0) -> None:
-        super().__init__(Uniform, gain)
+        self.gain = _gain(gain)
+
+    def sample(self, shape: tuple[int, ...]) -> np.ndarray:
+        if len(shape) < 2:
+            raise RuntimeError(f"Only shapes of length 2 or more are supported, got {shape}")
+        flat = (shape[0], int(np.prod(shape[1:])))
+        u, _, vt = np.linalg.svd(get_rng().normal(0.0, 1.0, flat), full_matrices=False)
+        q = u if u.shape == flat else vt  # the factor of the flat shape has orthonormal rows or columns
+        return _floatx(self.gain * q.reshape(shape))
 
 
 # Shared default arguments of the layers (initialisers hold no state).

@@ -8,6 +8,7 @@
 :func:`binary_accuracy`             ``(predictions >= threshold) == targets``
 :func:`squared_error`               ``(a - b) ** 2``
 :func:`binary_hinge_loss`           ``max(0, delta - t * p)`` with ``t`` in {-1, 1}
+:func:`huber_loss`                  ``0.5 d**2`` for ``|d| <= delta``, else ``delta (|d| - delta / 2)``
 :func:`aggregate`                   mean, sum, or weighted sums of a loss
 ==================================  ================================================================
 
@@ -31,7 +32,7 @@ from typing import Any
 import pytensor.tensor as pt
 
 __all__ = ["aggregate", "binary_accuracy", "binary_crossentropy", "binary_hinge_loss", "categorical_accuracy",
-           "categorical_crossentropy", "squared_error"]
+           "categorical_crossentropy", "huber_loss", "squared_error"]
 
 
 def _log_predictions(predictions: Any) -> Any:
@@ -94,6 +95,28 @@ def squared_error(a: Any, b: Any) -> Any:
     return pt.sqr(a - b)
 
 
+def huber_loss(predictions: Any, targets: Any, delta: float = 1) -> Any:
+    """Element-wise Huber loss of ``d = targets - predictions``: squared near 0, linear beyond
+    ``delta`` (``delta=1``: the smooth L1 loss of Fast R-CNN).
+
+    Parameters
+    ----------
+    predictions, targets : tensor expressions
+        Of the same shape, or a column of predictions and a vector of targets.
+    delta : float, optional
+        Where the loss turns from quadratic to linear (default 1).
+
+    Returns
+    -------
+    tensor expression
+    """
+    predictions, targets = pt.as_tensor_variable(predictions), pt.as_tensor_variable(targets)
+    if predictions.type.shape[1:] == (1,) and predictions.ndim == 2 and targets.ndim == 1:
+        targets = targets.dimshuffle(0, "x")  # a column of predictions and a vector of targets (Lasagne's)
+    diff = abs(targets - predictions)
+    return pt.switch(diff <= delta, 0.5 * squared_error(targets, predictions), delta * (diff - delta / 2.0))
+
+
 def binary_hinge_loss(predictions: Any, targets: Any, delta: float = 1, log_odds: bool | None = None,
                       binary: bool = True) -> Any:
     """``max(0, delta - t * predictions)``; ``binary=True`` maps 0/1 targets to -1/1 first.
@@ -129,6 +152,6 @@ def aggregate(loss: Any, weights: Any = None, mode: str = "mean") -> Any:
         return loss.sum()
     if mode == "normalized_sum":
         if weights is None:
-            raise ValueError("mode='normalized_sum' needs weights")
+            raise ValueError("mode='normalized_sum' require weights: give weights=...")
         return loss.sum() / pt.as_tensor_variable(weights).sum()
     raise ValueError(f"mode must be 'mean', 'sum' or 'normalized_sum', got {mode!r}")

@@ -16,7 +16,7 @@ Exact averages
 --------------
 The loss is a mean over the rows of each rank's share, and the shares can differ by a row (a
 batch of 100 over 3 ranks is 34 + 33 + 33).  The training function passes the rank's row count as
-the rule's ``weight`` (see :mod:`synk_lasagne.updates`): each rank's flat gradient holds
+the weight of :func:`synk_lasagne.updates.flat_gradient`: each rank's flat gradient holds
 ``rows * gradient`` and ``rows``, the step all-reduces it (sum) inside its graph
 (:func:`synkhronos.ops.all_reduce`) and the update divides the sums, so the step is the one a
 single process takes on the whole batch; the loss output is averaged with the same weights by
@@ -48,13 +48,13 @@ Example
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from synk_lasagne import updates as _updates
-from synk_lasagne.updates import RuleUpdates
 from synkhronos.engine import NotOneProgramError
 
 __all__ = ["EvalFunction", "TrainFunction", "in_graph_all_reduce_pays", "make_eval_function", "make_train_function"]
@@ -93,11 +93,14 @@ class TrainFunction:
         :func:`in_graph_all_reduce_pays`): one command, one compiled function per rank.
     chain : synkhronos.Chain
         The step for ``num_slices`` > 1 (built on first use): ``grad_fn`` accumulates the flat
-        gradient over the slices, the chain all-reduces it (avg) and runs ``step_fn``.
+        gradient over the slices, the chain all-reduces it (sum) and runs ``step_fn``.
     grad_fn, step_fn : synkhronos.Function
         The two functions of :attr:`chain` (built on first use).
-    rule : RuleUpdates
-        What the update rule returned.
+    updates : OrderedDict
+        What the update rule returned, reading the all-reduced :attr:`flat_grad`.
+    flat_grad : shared variable
+        The flat gradient of the chain, ``[rows * g, rows]`` (see
+        :func:`synk_lasagne.updates.flat_gradient`).
     params : list of shared variables
     state : list of shared variables
         The rule's state (velocities, moments, the step counter), in update order.
@@ -105,17 +108,18 @@ class TrainFunction:
         ``"loss"`` then the names of the extra outputs.
     """
 
-    def __init__(self, function: Any, rule: RuleUpdates, params: list[Any], output_names: list[str],
-                 inputs: list[Any], sliceable_shareds: list[Any], build_sliced: Callable[[], tuple[Any, Any]],
-                 own_mode: bool = False) -> None:
+    def __init__(self, function: Any, updates: Mapping[Any, Any], flat_grad: Any, params: list[Any],
+                 output_names: list[str], inputs: list[Any], sliceable_shareds: list[Any],
+                 build_sliced: Callable[[], tuple[Any, Any]], own_mode: bool = False) -> None:
         self.function = function
         self.own_mode = own_mode
         """Whether the functions compile in a PyTensor mode given by ``function_kwargs`` (see
         :func:`in_graph_all_reduce_pays`)."""
-        self.rule = rule
+        self.updates = updates
+        self.flat_grad = flat_grad
         self.params = params
         kept = set(params)
-        self.state = [var for var in rule.param_updates if var not in kept]
+        self.state = [var for var in updates if var not in kept]
         self.output_names = output_names
         self.inputs = inputs
         self.sliceable_shareds = sliceable_shareds
@@ -132,7 +136,7 @@ class TrainFunction:
             import synkhronos as synk
 
             grad_fn, step_fn = self._build_sliced()
-            chain = synk.chain(grad_fn, all_reduce=self.rule.flat_grad, op="sum", then=step_fn, zeros_if_idle=True)
+            chain = synk.chain(grad_fn, all_reduce=self.flat_grad, op="sum", then=step_fn, zeros_if_idle=True)
             self._sliced = (grad_fn, step_fn, chain)
         return self._sliced
 
@@ -148,13 +152,8 @@ class TrainFunction:
 
     @property
     def chain(self) -> Any:
-        """``grad_fn``, the all-reduce of ``flat_grad`` (avg) and ``step_fn`` as one command."""
+        """``grad_fn``, the all-reduce of ``flat_grad`` (sum) and ``step_fn`` as one command."""
         return self._sliced_step()[2]
-
-    @property
-    def flat_grad(self) -> Any:
-        """The flat gradient vector of the sliced path (all-reduced once per step)."""
-        return self.rule.flat_grad
 
     @property
     def variables(self) -> list[Any]:
@@ -263,7 +262,11 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         Scattered over the ranks (e.g. ``[x, y]``); may be empty when the data are
         ``sliceable_shareds``.
     rule : callable, optional
-        An update rule of :mod:`synk_lasagne.updates` (default :func:`~synk_lasagne.updates.sgd`).
+        An update rule with Lasagne's signature, ``rule(loss_or_grads, params, **hyperparameters)``
+        returning an ``OrderedDict`` of updates: any of :mod:`synk_lasagne.updates` (default
+        :func:`~synk_lasagne.updates.sgd`) or one of the user's.  It is called once, on the
+        gradients of the whole batch (views of the all-reduced flat gradient), inside
+        :func:`~synk_lasagne.updates.no_all_reduce`.
     outputs : mapping of str to expression or (expression, op), optional
         Extra outputs, returned after the loss (e.g. ``{"accuracy": acc}``); op default "avg".
     bcast_inputs, sliceable_shareds, givens : optional
@@ -300,8 +303,8 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     every in-graph collective does, and applies the same update as the others.
 
     On the JAX engine (GPU mode) the step all-reduces each parameter's part of the flat gradient
-    on its own (the parts of :func:`synk_lasagne.updates.weighted_gradient_parts`, which the
-    rule's flat gradient concatenates): XLA combines them into a few
+    on its own (the parts that :func:`synk_lasagne.updates.flat_gradient` concatenates): XLA
+    combines them into a few
     collectives and starts each while the rest of the backward pass runs (one all-reduce of the
     whole vector could only start after it); measured on 2 H100s in ``benchmarks/RESULTS.md``.
     Elsewhere (CPU mode's shared-memory collectives) one all-reduce of the flat vector is cheaper.
@@ -322,9 +325,16 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
             weight = inputs[0].shape[0]
         elif sliceable:
             weight = sliceable[0].shape[0]
-    result = rule(loss, params, weight=weight, **hyperparameters)
-    if not isinstance(result, RuleUpdates):
-        result = RuleUpdates(*result)
+        else:
+            weight = 1.0
+    # the rule reads the views of the flat gradient [rows * g, rows] summed over the ranks (its
+    # own average off); the one-function step replaces that vector by its in-graph all-reduce
+    flat, local_flat, views = _updates.flat_gradient(loss, params, weight)
+    with _updates.no_all_reduce():
+        step = rule(views, params, **hyperparameters)
+    if not isinstance(step, Mapping):
+        raise TypeError(f"the rule must return Lasagne's OrderedDict of updates, got {type(step).__name__}")
+    step = OrderedDict(step)
     names, extra = _outputs(outputs)
     fkw = dict(function_kwargs or {})
     if precision is not None:
@@ -332,8 +342,7 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
     common = {"bcast_inputs": bcast_inputs, "givens": givens, "sliceable_shareds": sliceable or None, **fkw}
     outs = [(loss, "avg"), *extra]
     state = get_state_updates([loss, *(e[0] if isinstance(e, tuple) else e for e in extra)])
-    ((flat, local_flat, _),) = result.grad_updates
-    targets = list(result.param_updates)
+    targets = list(step)
     rt = current()
     node = local_flat.owner
     if rt is not None and rt.engine is not None and rt.size > 1 and node is not None and isinstance(node.op, Join):
@@ -344,14 +353,14 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         reduced = pt.concatenate([synk.ops.all_reduce(part, "sum") for part in parts])
     else:
         reduced = synk.ops.all_reduce(local_flat, "sum")
-    stepped = clone_replace(list(result.param_updates.values()), replace={flat: reduced})
+    stepped = clone_replace(list(step.values()), replace={flat: reduced})
     function = synk.function(inputs, outputs=outs, updates=[*zip(targets, stepped), *state], **common)
 
     def build_sliced() -> tuple[Any, Any]:
-        grad_fn = synk.function(inputs, outputs=outs, updates=[*result.grad_updates, *state], **common)
-        return grad_fn, synk.function([], updates=list(result.param_updates.items()), **fkw)
+        grad_fn = synk.function(inputs, outputs=outs, updates=[(flat, local_flat, "sum"), *state], **common)
+        return grad_fn, synk.function([], updates=list(step.items()), **fkw)
 
-    return TrainFunction(function, result, params, ["loss", *names], inputs, sliceable, build_sliced,
+    return TrainFunction(function, step, flat, params, ["loss", *names], inputs, sliceable, build_sliced,
                          own_mode=fkw.get("mode") is not None)
 
 

@@ -1,23 +1,18 @@
-"""Lasagne's update rules, built for data-parallel training: one flat gradient, all-reduced once.
+"""Lasagne's update rules: an ``OrderedDict`` of updates, data-parallel inside a Synkhronos function.
 
-A data-parallel step has three parts (the seed's "Update Rules" scheme):
+Every rule has Lasagne's signature and returns Lasagne's value, an ``OrderedDict`` ``{shared
+variable: expression}``, so a Lasagne step is unchanged::
 
-1. every rank computes the raw gradient of its share of the batch into ONE flat shared vector,
-   ``flat_grad`` (one collective call instead of one per parameter);
-2. ``synk.all_reduce(flat_grad, op="sum")`` makes that vector the same in every rank (``"avg"``
-   too: the weight in its last entry cancels the factor, see below);
-3. every rank applies the same update, reading the gradients as views of ``flat_grad``.
+    updates = nesterov_momentum(loss, params, learning_rate=0.01, momentum=0.9)
+    train = pytensor.function([x, y], loss, updates=updates)     # one process: Lasagne's step
+    train = synk.function([x, y], loss, updates=updates)         # every rank: its rows, one step
 
-Every rule below therefore returns three things, as a :class:`RuleUpdates` named tuple:
-
-``grad_updates``
-    ``[(flat_grad, expression, "sum")]``: the update that writes this rank's gradient (for the
-    synk function that computes the loss; ``"sum"`` accumulates it over ``num_slices``);
-``param_updates``
-    an ordered dict ``{shared variable: expression}`` for the parameters and the rule's state
-    (velocities, moment estimates, the step counter), read from the all-reduced ``flat_grad``;
-``flat_grad``
-    the flat shared vector to all-reduce between the two.
+The rules average the gradients over the ranks inside the graph (:func:`average_over_ranks`,
+:func:`synkhronos.ops.all_reduce` with ``"avg"``, weighted by each rank's rows), which is the
+identity in a plain ``pytensor.function``: the same updates are Lasagne's step in one process
+and, in a Synkhronos function, the step one process takes on the whole batch, however unevenly
+the batch splits over the ranks (the loss must be a MEAN over the rows, as Lasagne's objectives
+with ``aggregate`` give it).
 
 Rules (Lasagne's names, defaults and maths):
 
@@ -40,77 +35,54 @@ Modifiers and helpers:
 :func:`apply_nesterov_momentum`    Nesterov's variant of the same
 :func:`norm_constraint`            rescale weight vectors whose norm exceeds ``max_norm``
 :func:`total_norm_constraint`      rescale a list of tensors so that their joint norm is <= ``max_norm``
-:func:`flat_gradient`              the building block: the flat gradient update and its views
-:func:`weighted_gradient_parts`    the pieces of the flat gradient, one per parameter, then the weight
 :func:`get_or_compute_grads`       ``pytensor.grad(loss, params)``, or the given gradients
+:func:`average_over_ranks`         the gradients averaged over the ranks (identity in one process)
+:func:`no_all_reduce`              a context in which the rules read their gradients as given
+:func:`flat_gradient`              the flat gradient ``[w * g, w]`` of a step split into functions
 =================================  ==================================================================
 
-The flat gradient and exact averages
-------------------------------------
-``flat_grad`` has one entry more than the parameters have values: ``flat_grad[:P]`` holds
-``weight * g_r`` (the concatenated, raveled gradients of rank ``r`` times its weight) and
-``flat_grad[P]`` holds ``weight`` itself.  The views the rules read are
-``flat_grad[:P] / flat_grad[P]``.  After an all-reduce (avg or sum: the factor ``1/n`` cancels),
-that is ``sum_r w_r g_r / sum_r w_r``.  With ``weight`` the number of rows of the rank's share of
-the batch (``x.shape[0]``, what :func:`synk_lasagne.make_train_function` passes), and a loss that
-is a mean over rows (plus any terms that do not depend on the rows, such as weight decay), this is
-exactly the gradient of the loss over the whole batch, however unevenly the batch splits over the
-ranks.  Without ``weight`` every rank counts the same (Synkhronos 1.0's behaviour: exact only
-when the ranks have equal rows).  The all-reduce may also run inside one function: replace
-``flat_grad`` in ``param_updates`` by ``synkhronos.ops.all_reduce(expression, "sum")`` of the
-``grad_updates`` expression (what :func:`synk_lasagne.make_train_function` does); a rank with no
-rows then contributes zeros.  Run as separate functions, a rank with no rows does not run the
-gradient function and keeps its previous ``flat_grad``: make it add nothing by chaining the steps
-with ``synk.chain(..., zeros_if_idle=True)`` or by resetting ``flat_grad`` to zeros after each step.
+One all-reduce, flat state
+--------------------------
+Where the collectives are the shared-memory ones (CPU mode, the per-rank engine) the rules
+all-reduce ONE flat vector, every gradient raveled and joined, instead of one per parameter
+(one collective call per step); on the JAX engine each parameter's gradient is all-reduced on
+its own (XLA combines them and overlaps them with the backward pass).  The rules' state
+(velocities, moment estimates, accumulators) is likewise one flat shared vector per quantity, in
+the parameters' order, so a compiled update has a few long element-wise loops and one output per
+state vector: the update function of an 18-parameter MLP under Adam has 21 outputs instead of 55
+(``benchmarks/bench_update_rules.py``).  The maths is Lasagne's, entry by entry.
 
-The rules' state as flat vectors
---------------------------------
-Each rule computes on ONE vector per quantity: the average gradient ``g = flat_grad[:P] /
-flat_grad[P]`` and its state (velocities, moment estimates, accumulators) are flat shared vectors
-of ``P`` values in the same order as ``flat_grad`` (parameter ``i`` at its offset, raveled), and
-each parameter moves by its part of the rule's step.  A compiled update then has a few long
-element-wise loops and one output per state vector, instead of a loop and an output per parameter
-and state: the update function of an 18-parameter MLP under Adam has 21 outputs instead of 55,
-and took 38-55 us against 98-187 us per call on one core (PyTensor's JAX mode;
-``benchmarks/RESULTS.md``).  :func:`apply_momentum` and :func:`apply_nesterov_momentum`, which add
-momentum to any updates (Lasagne's API), keep a velocity per parameter.
+Given a loss, a rule's updates also hold the state updates that the loss carries (batch norm's
+running averages, dropout's random generators: :func:`synk_lasagne.layers.get_state_updates`),
+so ``function(..., updates=rule(loss, params))`` advances them as Lasagne's graph does.
 
-Gradient clipping belongs after the all-reduce (the norm of the global gradient): pass
-``grad_transform=lambda g: total_norm_constraint(g, 5.0)`` to any rule.
+Gradient clipping belongs after the average (the norm of the whole batch's gradient): pass
+``grad_transform=lambda g: total_norm_constraint(g, 5.0)`` to any rule (a keyword that Lasagne's
+rules lack; clipping the gradients before passing them clips each rank's own).
 
 Example
 -------
-One process (plain PyTensor), to see the maths: ``loss = mean((x @ w - 1) ** 2)`` at ``w = 0``
-has gradient ``-2`` in each entry, so one SGD step of 0.1 gives ``w = 0.2``.
+``loss = mean((x @ w - 1) ** 2)`` at ``w = 0`` has gradient ``-2`` in each entry, so one SGD
+step of 0.1 gives ``w = 0.2``:
 
 >>> import numpy as np, pytensor, pytensor.tensor as pt
 >>> from synk_lasagne import updates
 >>> w = pytensor.shared(np.zeros(3), name="w")
 >>> x = pt.matrix("x")
 >>> loss = pt.mean((x @ w - 1) ** 2)
->>> rule = updates.sgd(loss, [w], learning_rate=0.1, weight=x.shape[0])
->>> f_grad = pytensor.function([x], loss, updates=[u[:2] for u in rule.grad_updates])
->>> f_step = pytensor.function([], updates=rule.param_updates)
->>> float(f_grad(np.ones((4, 3))))
+>>> step = pytensor.function([x], loss, updates=updates.sgd(loss, [w], learning_rate=0.1))
+>>> float(step(np.ones((4, 3))))
 1.0
->>> f_step()
-[]
 >>> w.get_value()
 array([0.2, 0.2, 0.2])
 
-Data-parallel, every rank computing its share (what :func:`synk_lasagne.make_train_function`
-wraps in one call):
+Data-parallel: the same updates in a Synkhronos function, every rank computing its rows:
 
 >>> import synkhronos as synk
->>> synk.fork(2, use_gpu=False)                                              # doctest: +SKIP
+>>> synk.fork(2, use_gpu=False)                                                 # doctest: +SKIP
 2
->>> rule = updates.adam(loss, [w], weight=x.shape[0])                        # doctest: +SKIP
->>> f_grad = synk.function([x], outputs=loss, updates=rule.grad_updates)     # doctest: +SKIP
->>> f_step = synk.function([], updates=rule.param_updates)                   # doctest: +SKIP
->>> x_data = synk.data(np.ones((5, 3)))                                      # doctest: +SKIP
->>> loss_value = f_grad(x_data)                  # each rank: its rows      # doctest: +SKIP
->>> synk.all_reduce(rule.flat_grad, op="sum")    # one collective call      # doctest: +SKIP
->>> f_step()                                     # the same step everywhere # doctest: +SKIP
+>>> step = synk.function([x], loss, updates=updates.adam(loss, [w]))            # doctest: +SKIP
+>>> loss_value = step(synk.data(np.ones((5, 3))))          # 3 + 2 rows: exact # doctest: +SKIP
 
 Every hyperparameter may be a symbolic scalar (e.g. a shared variable) to change it during
 training without recompiling; its dtype should match the parameters' (``floatX``).
@@ -118,16 +90,19 @@ training without recompiling; its dtype should match the parameters' (``floatX``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 __all__ = [
-    "RuleUpdates",
+    "average_over_ranks",
+    "no_all_reduce",
     "flat_gradient",
-    "weighted_gradient_parts",
     "get_or_compute_grads",
     "sgd",
     "apply_momentum",
@@ -145,29 +120,37 @@ __all__ = [
 ]
 
 GradTransform = Callable[[list[Any]], Sequence[Any]]
-"""A function of the list of (all-reduced) gradients that returns a list of the same length."""
+"""A function of the list of (averaged) gradients that returns a list of the same length."""
+
+_LOCAL: contextvars.ContextVar[bool] = contextvars.ContextVar("synk_lasagne_no_all_reduce", default=False)
 
 
-class RuleUpdates(NamedTuple):
-    """What every rule returns: unpack it as ``grad_updates, param_updates, flat_grad``.
+@contextlib.contextmanager
+def no_all_reduce() -> Iterator[None]:
+    """A context in which the rules use their gradients as given, without averaging them.
 
-    Attributes
-    ----------
-    grad_updates : list of (shared variable, expression, str)
-        ``[(flat_grad, weight * gradients ++ [weight], "sum")]``: the update of the function that
-        computes the gradient (a Synkhronos update triple; for a plain PyTensor function use
-        ``[u[:2] for u in grad_updates]``).
-    param_updates : OrderedDict
-        ``{shared variable: expression}`` for the parameters, then the rule's state (flat vectors
-        in ``flat_grad``'s order, and Adam's step counter), computed from the all-reduced
-        ``flat_grad``.
-    flat_grad : shared variable
-        The flat gradient vector (one entry more than the parameters' values: the weight).
+    For gradients that are averaged already (e.g. views of a vector all-reduced by
+    :func:`synkhronos.chain`, what :func:`synk_lasagne.make_train_function` builds for
+    ``num_slices`` > 1), or a rule applied in a function that runs without rows.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> from synk_lasagne import updates
+    >>> w = pytensor.shared(np.ones(2))
+    >>> from synkhronos import ops
+    >>> len(ops.collective_nodes(updates.sgd([pytensor.tensor.ones(2)], [w], 0.5).values()))
+    1
+    >>> with updates.no_all_reduce():
+    ...     step = updates.sgd([pytensor.tensor.ones(2)], [w], 0.5)
+    >>> len(ops.collective_nodes(step.values()))
+    0
     """
-
-    grad_updates: list[tuple[Any, Any, str]]
-    param_updates: OrderedDict[Any, Any]
-    flat_grad: Any
+    token = _LOCAL.set(True)
+    try:
+        yield
+    finally:
+        _LOCAL.reset(token)
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -180,7 +163,8 @@ def _check_params(params: Iterable[Any]) -> list[Any]:
         raise ValueError("params is empty: give the shared variables to train")
     bad = [p for p in params if not isinstance(p, SharedVariable)]
     if bad:
-        raise ValueError(f"params must contain shared variables only (they are updated in place), got {bad!r}")
+        raise ValueError(f"params must contain shared variables only (they are updated in place), got {bad!r}; "
+                         "if it holds other variables, use pytensor.grad and pass the gradients instead")
     if len(set(params)) != len(params):
         raise ValueError("params has the same shared variable more than once")
     return params
@@ -193,6 +177,14 @@ def _zeros_like(param: Any, what: str) -> Any:
     value = param.get_value(borrow=True)
     name = f"{param.name}.{what}" if param.name else what
     return pytensor.shared(np.zeros(np.shape(value), dtype=param.type.dtype), name=name, shape=param.type.shape)
+
+
+def _grad_dtype(params: Sequence[Any]) -> str:
+    dtypes = {p.type.dtype for p in params}
+    for dtype in dtypes:
+        if np.dtype(dtype).kind != "f":
+            raise ValueError(f"params must be floating point to be trained, got dtype {dtype}")
+    return str(np.result_type(*dtypes))
 
 
 class _FlatLayout:
@@ -214,6 +206,13 @@ class _FlatLayout:
         return [_as_type_of(p, vector[a:a + n].reshape(shape))
                 for p, a, n, shape in zip(self.params, self.offsets, self.sizes, self.shapes)]
 
+    def join(self, grads: Sequence[Any]) -> Any:
+        """One vector of the parameters' parts (each raveled, cast to the common dtype)."""
+        import pytensor.tensor as pt
+
+        parts = [pt.cast(pt.as_tensor_variable(g), self.dtype).ravel() for g in grads]
+        return parts[0] if len(parts) == 1 else pt.concatenate(parts)
+
     def zeros(self, what: str) -> Any:
         """A new flat shared vector of zeros: one entry of a rule's state per parameter value."""
         import pytensor
@@ -223,21 +222,6 @@ class _FlatLayout:
     def moved(self, delta: Any) -> OrderedDict[Any, Any]:
         """``{param: param + delta's view}``: every parameter moved by its part of ``delta``."""
         return OrderedDict((p, _as_type_of(p, p + view)) for p, view in zip(self.params, self.views(delta)))
-
-
-def _flat_average(loss_or_grads: Any, params: Sequence[Any], weight: Any,
-                  grad_transform: GradTransform | None) -> tuple[list[tuple[Any, Any, str]], Any, Any, _FlatLayout]:
-    """What a rule reads: ``(grad_updates, g, flat_grad, layout)``, ``g`` the all-reduced average
-    gradient as ONE vector (``flat_grad[:P] / flat_grad[P]``, or the transformed gradients
-    raveled and joined), so that the rule's maths runs on a few long vectors."""
-    import pytensor.tensor as pt
-
-    grad_updates, views, flat, layout = _flat_gradient(loss_or_grads, params, weight, grad_transform)
-    if grad_transform is None:
-        g = flat[:layout.total] / flat[layout.total]
-    else:
-        g = pt.concatenate([pt.as_tensor_variable(v).ravel() for v in views])
-    return grad_updates, _as_type_of(flat, g), flat, layout
 
 
 def _as_type_of(var: Any, expr: Any) -> Any:
@@ -255,16 +239,17 @@ def _counter(dtype: str) -> Any:
     return pytensor.shared(np.zeros((), dtype=dtype), name="t")
 
 
-def _grad_dtype(params: Sequence[Any]) -> str:
-    dtypes = {p.type.dtype for p in params}
-    for dtype in dtypes:
-        if np.dtype(dtype).kind != "f":
-            raise ValueError(f"params must be floating point to be trained, got dtype {dtype}")
-    return str(np.result_type(*dtypes))
+def _flat_all_reduce_pays() -> bool:
+    """One all-reduce of the joined gradients (shared-memory collectives: one call), rather than
+    one per parameter (the JAX engine, where XLA overlaps them with the backward pass)."""
+    from synkhronos.runtime import current
+
+    rt = current()
+    return rt is None or rt.engine is None
 
 
-def get_or_compute_grads(loss_or_grads: Any, params: Sequence[Any]) -> list[Any]:
-    """The gradients: ``pytensor.grad(loss, params)``, or ``loss_or_grads`` if it is a list.
+def get_or_compute_grads(loss_or_grads: Any, params: Sequence[Any]) -> Any:
+    """The gradients: ``pytensor.grad(loss, params)``, or ``loss_or_grads`` itself if it is a list.
 
     Parameters
     ----------
@@ -275,6 +260,7 @@ def get_or_compute_grads(loss_or_grads: Any, params: Sequence[Any]) -> list[Any]
     Returns
     -------
     list of expressions
+        ``loss_or_grads`` unchanged (the same object) when it is a list or tuple.
 
     Raises
     ------
@@ -282,119 +268,158 @@ def get_or_compute_grads(loss_or_grads: Any, params: Sequence[Any]) -> list[Any]
         If a parameter is not a shared variable, or the list of gradients has the wrong length.
     """
     import pytensor
+    from pytensor.compile.sharedvalue import SharedVariable
 
-    params = _check_params(params)
+    params = list(params)
+    if any(not isinstance(p, SharedVariable) for p in params):
+        raise ValueError("params must contain shared variables only (they are updated in place); if it holds "
+                         "other variables, compute the gradients with pytensor.grad and pass them instead")
     if isinstance(loss_or_grads, (list, tuple)):
         if len(loss_or_grads) != len(params):
-            raise ValueError(f"got {len(loss_or_grads)} gradient expressions for {len(params)} parameters")
-        return list(loss_or_grads)
+            raise ValueError(f"Got {len(loss_or_grads)} gradient expressions for {len(params)} parameters")
+        return loss_or_grads
     if getattr(loss_or_grads, "ndim", None) != 0:
         raise ValueError(f"the loss must be a scalar expression (or give a list of gradients), got {loss_or_grads!r}")
     grads: Any = pytensor.grad(loss_or_grads, params)
     return list(grads)
 
 
-def flat_gradient(loss_or_grads: Any, params: Sequence[Any], *, weight: Any = None,
-                  grad_transform: GradTransform | None = None) -> tuple[list[tuple[Any, Any, str]], list[Any], Any]:
-    """The flat gradient of every rule: its update, the views the rules read, and the vector.
+def average_over_ranks(grads: Sequence[Any]) -> list[Any]:
+    """Each gradient averaged over the ranks of a Synkhronos call, weighted by their rows.
 
-    ``flat_grad := concatenate([weight * ravel(g) for g in grads] + [weight])``, and the view of
-    parameter ``i`` is ``reshape(flat_grad[a_i:b_i] / flat_grad[P], shape_i)``.
+    ``synkhronos.ops.all_reduce(g, "avg")``: in a Synkhronos function, ``sum_r n_r g_r / sum_r
+    n_r`` (``n_r`` the rows of rank ``r``), the gradient of the whole batch for a loss that is a
+    mean over rows; in a plain ``pytensor.function``, ``g`` itself.  Where the collectives are
+    shared-memory ones (CPU mode, the per-rank engine) the gradients are joined into ONE vector
+    for one all-reduce; on the JAX engine each is all-reduced on its own.  Inside
+    :func:`no_all_reduce`, the gradients unchanged.
 
     Parameters
     ----------
-    loss_or_grads : scalar expression or list of expressions
-        The loss (a mean over the rank's rows) or its gradients.
-    params : list of shared variables
-    weight : symbolic or numeric scalar, optional
-        This rank's weight in the average, normally its number of rows (``x.shape[0]``);
-        default 1 (every rank counts the same).
-    grad_transform : callable, optional
-        Applied to the list of views (the all-reduced gradients), e.g. clipping with
-        :func:`total_norm_constraint`; must return a list of the same length.
+    grads : list of expressions
 
     Returns
     -------
-    grad_updates : list
-        ``[(flat_grad, expression, "sum")]``.
-    grads : list of expressions
-        One per parameter, its shape and dtype: the global gradient once ``flat_grad`` is
-        all-reduced.
-    flat_grad : shared variable
-        A vector of ``P + 1`` values (``P`` = total size of the parameters).
+    list of expressions
+        One per gradient, its shape and dtype.
     """
-    grad_updates, views, flat, _ = _flat_gradient(loss_or_grads, params, weight, grad_transform)
-    return grad_updates, views, flat
-
-
-def _flat_gradient(loss_or_grads: Any, params: Sequence[Any], weight: Any, grad_transform: GradTransform | None
-                   ) -> tuple[list[tuple[Any, Any, str]], list[Any], Any, _FlatLayout]:
-    """:func:`flat_gradient`, and the layout it built (which the flat rules read again)."""
-    import pytensor
     import pytensor.tensor as pt
 
+    from synkhronos import ops
+
+    grads = [pt.as_tensor_variable(g) for g in grads]
+    if _LOCAL.get() or not grads:
+        return grads
+    if len(grads) == 1 or not _flat_all_reduce_pays():
+        return [ops.all_reduce(g, "avg") for g in grads]
+    dtype = str(np.result_type(*(g.dtype for g in grads)))
+    reduced: Any = ops.all_reduce(pt.concatenate([pt.cast(g, dtype).ravel() for g in grads]), "avg")
+    out, offset = [], 0
+    for g in grads:
+        size = pt.prod(g.shape) if g.ndim else 1
+        part = reduced[offset:offset + size].reshape(g.shape)
+        out.append(part if part.dtype == g.dtype else pt.cast(part, g.dtype))
+        offset = offset + size
+    return out
+
+
+def _average(loss_or_grads: Any, params: Sequence[Any],
+             grad_transform: GradTransform | None) -> tuple[Any, _FlatLayout]:
+    """What a rule reads: the averaged gradient as ONE vector, and the parameters' layout."""
+    from synkhronos import ops
+
     layout = _FlatLayout(_check_params(params))
-    total = layout.total
-    flat = pytensor.shared(np.zeros(total + 1, dtype=layout.dtype), name="flat_grad")
-    expr = pt.concatenate(weighted_gradient_parts(loss_or_grads, params, weight=weight))
-    # divided view by view: no whole-vector temporary
-    views = [_as_type_of(param, (flat[a:a + n] / flat[total]).reshape(shape))
-             for param, a, n, shape in zip(layout.params, layout.offsets, layout.sizes, layout.shapes)]
+    grads = list(get_or_compute_grads(loss_or_grads, layout.params))
+    if _LOCAL.get():
+        g = layout.join(grads)
+    elif _flat_all_reduce_pays():
+        g = ops.all_reduce(layout.join(grads), "avg")
+    else:
+        g = layout.join([ops.all_reduce(grad, "avg") for grad in grads])
     if grad_transform is not None:
-        views = list(grad_transform(views))
-        if len(views) != len(params):
-            raise ValueError(f"grad_transform returned {len(views)} gradients for {len(params)} parameters")
-    return [(flat, expr, "sum")], views, flat, layout
+        views = list(grad_transform(layout.views(g)))
+        if len(views) != len(layout.params):
+            raise ValueError(f"grad_transform returned {len(views)} gradients for {len(layout.params)} parameters")
+        g = layout.join(views)
+    return g, layout
 
 
-def weighted_gradient_parts(loss_or_grads: Any, params: Sequence[Any], *, weight: Any = None) -> list[Any]:
-    """The pieces of the flat gradient's expression (:func:`flat_gradient`), in its order:
-    ``weight * ravel(g_i)`` for each parameter, then ``[weight]``.
+def flat_gradient(loss_or_grads: Any, params: Sequence[Any], weight: Any) -> tuple[Any, Any, list[Any]]:
+    """The flat gradient of a step split into functions: ``[weight * g, weight]`` and its views.
 
-    ``concatenate(parts)`` is the expression that :func:`flat_gradient` writes into ``flat_grad``.
-    A function that all-reduces inside its graph may all-reduce each part on its own and
-    concatenate the results: the same values, and a compiler that sees one collective per
-    parameter can start each as soon as that gradient exists, while the backward pass goes on
-    (what :func:`synk_lasagne.make_train_function` does on the JAX engine).
+    For a step run as :func:`synkhronos.chain` (``num_slices`` > 1 in
+    :func:`synk_lasagne.make_train_function`): a gradient function accumulates ``flat_grad :=
+    concatenate([weight * ravel(g) for g in grads] + [weight])`` (op ``"sum"``), the chain
+    all-reduces it (sum), and the update reads the views ``flat_grad[a_i:b_i] / flat_grad[P]``
+    (a rule called inside :func:`no_all_reduce`): with ``weight`` the rows of the rank, the
+    gradient of the whole batch.
 
     Parameters
     ----------
     loss_or_grads : scalar expression or list of expressions
         The loss (a mean over the rank's rows) or its gradients.
     params : list of shared variables
-    weight : symbolic or numeric scalar, optional
-        This rank's weight in the average (see :func:`flat_gradient`); default 1.
+    weight : symbolic or numeric scalar
+        This rank's weight, normally its rows (``x.shape[0]``).
 
     Returns
     -------
-    list of vectors
-        One per parameter (its size), then the weight (a vector of one value), in the
-        parameters' common dtype.
+    flat_grad : shared variable
+        A vector of ``P + 1`` values (``P`` = total size of the parameters).
+    expression : vector expression
+        What a rank writes into it.
+    views : list of expressions
+        One per parameter, its shape and dtype: the average gradient once ``flat_grad`` holds
+        the sums.
 
     Examples
     --------
     >>> import numpy as np, pytensor, pytensor.tensor as pt
     >>> w = pytensor.shared(np.zeros(3), name="w")
     >>> x = pt.matrix("x")
-    >>> parts = weighted_gradient_parts(pt.mean((x @ w - 1) ** 2), [w], weight=x.shape[0])
-    >>> [p.eval({x: np.ones((4, 3))}).tolist() for p in parts]
-    [[-8.0, -8.0, -8.0], [4.0]]
+    >>> flat, expr, views = flat_gradient(pt.mean((x @ w - 1) ** 2), [w], x.shape[0])
+    >>> expr.eval({x: np.ones((4, 3))}).tolist()
+    [-8.0, -8.0, -8.0, 4.0]
     """
+    import pytensor
     import pytensor.tensor as pt
 
-    params = _check_params(params)
-    grads = get_or_compute_grads(loss_or_grads, params)
-    dtype = _grad_dtype(params)
-    w = pt.constant(np.ones((), dtype=dtype)) if weight is None else pt.cast(pt.as_tensor_variable(weight), dtype)
+    layout = _FlatLayout(_check_params(params))
+    grads = get_or_compute_grads(loss_or_grads, layout.params)
+    w = pt.cast(pt.as_tensor_variable(weight), layout.dtype)
     if w.ndim != 0:
         raise ValueError(f"weight must be a scalar, got an expression of ndim {w.ndim}")
-    return [pt.cast(g, dtype).ravel() * w for g in grads] + [pt.shape_padleft(w)]
+    expr = pt.concatenate([pt.cast(g, layout.dtype).ravel() * w for g in grads] + [pt.shape_padleft(w)])
+    flat = pytensor.shared(np.zeros(layout.total + 1, dtype=layout.dtype), name="flat_grad")
+    views = [_as_type_of(p, (flat[a:a + n] / flat[layout.total]).reshape(shape))
+             for p, a, n, shape in zip(layout.params, layout.offsets, layout.sizes, layout.shapes)]
+    return flat, expr, views
+
+
+def _lasagne_rule(rule: Callable[..., OrderedDict[Any, Any]]) -> Callable[..., OrderedDict[Any, Any]]:
+    """A rule that also applies the state updates its loss carries (batch norm's running averages,
+    dropout's generators: :func:`synk_lasagne.layers.get_state_updates`), as Lasagne's graph does
+    in a plain function: given a loss (not gradients), ``rule(loss, params, ...)`` holds them after
+    its own updates."""
+
+    @functools.wraps(rule)
+    def wrapped(loss_or_grads: Any, params: Sequence[Any], *args: Any, **kwargs: Any) -> OrderedDict[Any, Any]:
+        updates = rule(loss_or_grads, params, *args, **kwargs)
+        if not isinstance(loss_or_grads, (list, tuple)):
+            from synk_lasagne.layers.base import get_state_updates
+
+            for var, expr in get_state_updates(loss_or_grads):
+                updates.setdefault(var, expr)
+        return updates
+
+    return wrapped
 
 
 # --- the rules ----------------------------------------------------------------------------------
 
-def sgd(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, *, weight: Any = None,
-        grad_transform: GradTransform | None = None) -> RuleUpdates:
+@_lasagne_rule
+def sgd(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, *,
+        grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """Stochastic gradient descent.
 
     ``param := param - learning_rate * g``
@@ -402,27 +427,24 @@ def sgd(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, *, weight
     Parameters
     ----------
     loss_or_grads : scalar expression or list of expressions
-        A scalar loss (a mean over the rank's rows), or one gradient expression per parameter.
+        A scalar loss (a mean over the rows), or one gradient expression per parameter.
     params : list of shared variables
         The variables to train.
     learning_rate : float or symbolic scalar
         The size of the steps.
-    weight : symbolic scalar, optional
-        This rank's weight in the gradient average: its rows (``x.shape[0]``) for exact averages
-        under uneven splits; see :func:`flat_gradient`.
     grad_transform : callable, optional
-        Applied to the all-reduced gradients before the rule (e.g. clipping).
+        Applied to the averaged gradients before the rule (e.g. clipping); not in Lasagne.
 
     Returns
     -------
-    RuleUpdates
-        ``(grad_updates, param_updates, flat_grad)``.
+    OrderedDict
+        ``{shared variable: expression}``: the parameters, then the rule's state.
     """
-    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
-    return RuleUpdates(grad_updates, layout.moved(-(learning_rate * g)), flat)
+    g, layout = _average(loss_or_grads, params, grad_transform)
+    return layout.moved(-(learning_rate * g))
 
 
-def apply_momentum(updates: Any, params: Iterable[Any] | None = None, momentum: Any = 0.9) -> Any:
+def apply_momentum(updates: Any, params: Iterable[Any] | None = None, momentum: Any = 0.9) -> OrderedDict[Any, Any]:
     """Add momentum to existing updates.
 
     ``velocity := momentum * velocity + updates[param] - param``;
@@ -430,26 +452,19 @@ def apply_momentum(updates: Any, params: Iterable[Any] | None = None, momentum: 
 
     Parameters
     ----------
-    updates : OrderedDict or RuleUpdates
-        Parameter updates (``{param: expression}``), or what a rule returned.
+    updates : OrderedDict
+        Parameter updates (``{param: expression}``), e.g. what :func:`sgd` returned.
     params : iterable of shared variables, optional
-        The variables to add momentum to; default every key of ``updates`` (as in Lasagne: give
-        the parameters when ``updates`` also holds a rule's state).
+        The variables to add momentum to; default every key of ``updates`` (give the
+        parameters when ``updates`` also holds a rule's state).
     momentum : float or symbolic scalar, optional
         How much of the previous velocity is kept (default 0.9).
 
     Returns
     -------
-    OrderedDict or RuleUpdates
-        A copy of ``updates`` (of the same kind) with a velocity per parameter.
-
-    Notes
-    -----
-    Momentum also makes the steps larger; scale the learning rate by ``1 - momentum`` to
-    compensate if needed.
+    OrderedDict
+        A copy of ``updates`` with a velocity per parameter.
     """
-    if isinstance(updates, RuleUpdates):
-        return updates._replace(param_updates=apply_momentum(updates.param_updates, params, momentum))
     new = OrderedDict(updates)
     for param in list(new.keys()) if params is None else list(params):
         velocity = _zeros_like(param, "velocity")
@@ -459,34 +474,35 @@ def apply_momentum(updates: Any, params: Iterable[Any] | None = None, momentum: 
     return new
 
 
+@_lasagne_rule
 def momentum(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, momentum: Any = 0.9, *,
-             weight: Any = None, grad_transform: GradTransform | None = None) -> RuleUpdates:
-    """Stochastic gradient descent with momentum: the maths of :func:`sgd` then
-    :func:`apply_momentum`, with ONE flat velocity vector.
+             grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
+    """Stochastic gradient descent with momentum, ONE flat velocity vector.
 
     ``velocity := momentum * velocity - learning_rate * g``;
     ``param := param + velocity``
 
     Parameters
     ----------
-    loss_or_grads, params, learning_rate, weight, grad_transform
+    loss_or_grads, params, learning_rate, grad_transform
         As for :func:`sgd`.
     momentum : float or symbolic scalar, optional
         How much of the previous velocity is kept (default 0.9).
 
     Returns
     -------
-    RuleUpdates
+    OrderedDict
     """
-    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
+    g, layout = _average(loss_or_grads, params, grad_transform)
     velocity = layout.zeros("velocity")
     velocity_t = momentum * velocity - learning_rate * g
     updates = layout.moved(velocity_t)
     updates[velocity] = _as_type_of(velocity, velocity_t)
-    return RuleUpdates(grad_updates, updates, flat)
+    return updates
 
 
-def apply_nesterov_momentum(updates: Any, params: Iterable[Any] | None = None, momentum: Any = 0.9) -> Any:
+def apply_nesterov_momentum(updates: Any, params: Iterable[Any] | None = None,
+                            momentum: Any = 0.9) -> OrderedDict[Any, Any]:
     """Add Nesterov momentum to existing updates.
 
     ``velocity := momentum * velocity + updates[param] - param``;
@@ -494,8 +510,8 @@ def apply_nesterov_momentum(updates: Any, params: Iterable[Any] | None = None, m
 
     Parameters
     ----------
-    updates : OrderedDict or RuleUpdates
-        Parameter updates, or what a rule returned.
+    updates : OrderedDict
+        Parameter updates.
     params : iterable of shared variables, optional
         Default every key of ``updates``.
     momentum : float or symbolic scalar, optional
@@ -503,7 +519,7 @@ def apply_nesterov_momentum(updates: Any, params: Iterable[Any] | None = None, m
 
     Returns
     -------
-    OrderedDict or RuleUpdates
+    OrderedDict
         A copy of ``updates`` with a velocity per parameter.
 
     Notes
@@ -511,8 +527,6 @@ def apply_nesterov_momentum(updates: Any, params: Iterable[Any] | None = None, m
     The formulation of pylearn2 (Lasagne's): the gradient is evaluated at the current
     parameters, not at the look-ahead point.
     """
-    if isinstance(updates, RuleUpdates):
-        return updates._replace(param_updates=apply_nesterov_momentum(updates.param_updates, params, momentum))
     new = OrderedDict(updates)
     for param in list(new.keys()) if params is None else list(params):
         velocity = _zeros_like(param, "velocity")
@@ -522,35 +536,36 @@ def apply_nesterov_momentum(updates: Any, params: Iterable[Any] | None = None, m
     return new
 
 
+@_lasagne_rule
 def nesterov_momentum(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any, momentum: Any = 0.9, *,
-                      weight: Any = None, grad_transform: GradTransform | None = None) -> RuleUpdates:
-    """SGD with Nesterov momentum: the maths of :func:`sgd` then :func:`apply_nesterov_momentum`,
-    with ONE flat velocity vector.
+                      grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
+    """SGD with Nesterov momentum, ONE flat velocity vector.
 
     ``velocity := momentum * velocity - learning_rate * g``;
     ``param := param + momentum * velocity - learning_rate * g``
 
     Parameters
     ----------
-    loss_or_grads, params, learning_rate, weight, grad_transform
+    loss_or_grads, params, learning_rate, grad_transform
         As for :func:`sgd`.
     momentum : float or symbolic scalar, optional
         Default 0.9.
 
     Returns
     -------
-    RuleUpdates
+    OrderedDict
     """
-    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
+    g, layout = _average(loss_or_grads, params, grad_transform)
     velocity = layout.zeros("velocity")
     velocity_t = momentum * velocity - learning_rate * g
     updates = layout.moved(momentum * velocity_t - learning_rate * g)
     updates[velocity] = _as_type_of(velocity, velocity_t)
-    return RuleUpdates(grad_updates, updates, flat)
+    return updates
 
 
+@_lasagne_rule
 def adagrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0, epsilon: Any = 1e-6, *,
-            weight: Any = None, grad_transform: GradTransform | None = None) -> RuleUpdates:
+            grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """Adagrad (Duchi, Hazan & Singer, 2011): steps shrink with the accumulated squared gradient.
 
     ``accu := accu + g**2``;
@@ -558,7 +573,7 @@ def adagrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0,
 
     Parameters
     ----------
-    loss_or_grads, params, weight, grad_transform
+    loss_or_grads, params, grad_transform
         As for :func:`sgd`.
     learning_rate : float or symbolic scalar, optional
         Default 1.0.
@@ -567,20 +582,21 @@ def adagrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0,
 
     Returns
     -------
-    RuleUpdates
+    OrderedDict
     """
-    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
+    g, layout = _average(loss_or_grads, params, grad_transform)
     accu = layout.zeros("accu")
     accu_t = accu + g ** 2
     updates = layout.moved(-(learning_rate * g / pt.sqrt(accu_t + epsilon)))
     updates[accu] = _as_type_of(accu, accu_t)
-    return RuleUpdates(grad_updates, updates, flat)
+    return updates
 
 
+@_lasagne_rule
 def rmsprop(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0, rho: Any = 0.9,
-            epsilon: Any = 1e-6, *, weight: Any = None, grad_transform: GradTransform | None = None) -> RuleUpdates:
+            epsilon: Any = 1e-6, *, grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """RMSProp (Tieleman & Hinton, 2012): steps scaled by a moving RMS of the gradient.
 
     ``accu := rho * accu + (1 - rho) * g**2``;
@@ -588,7 +604,7 @@ def rmsprop(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0,
 
     Parameters
     ----------
-    loss_or_grads, params, weight, grad_transform
+    loss_or_grads, params, grad_transform
         As for :func:`sgd`.
     learning_rate : float or symbolic scalar, optional
         Default 1.0.
@@ -599,20 +615,21 @@ def rmsprop(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0,
 
     Returns
     -------
-    RuleUpdates
+    OrderedDict
     """
-    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
+    g, layout = _average(loss_or_grads, params, grad_transform)
     accu = layout.zeros("accu")
     accu_t = rho * accu + (1 - rho) * g ** 2
     updates = layout.moved(-(learning_rate * g / pt.sqrt(accu_t + epsilon)))
     updates[accu] = _as_type_of(accu, accu_t)
-    return RuleUpdates(grad_updates, updates, flat)
+    return updates
 
 
+@_lasagne_rule
 def adadelta(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0, rho: Any = 0.95,
-             epsilon: Any = 1e-6, *, weight: Any = None, grad_transform: GradTransform | None = None) -> RuleUpdates:
+             epsilon: Any = 1e-6, *, grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """Adadelta (Zeiler, 2012): steps scaled by the ratio of the RMS of past updates to that of
     the gradients.
 
@@ -623,10 +640,10 @@ def adadelta(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0
 
     Parameters
     ----------
-    loss_or_grads, params, weight, grad_transform
+    loss_or_grads, params, grad_transform
         As for :func:`sgd`.
     learning_rate : float or symbolic scalar, optional
-        Default 1.0 (the paper has none; keep it).
+        Default 1.0.
     rho : float or symbolic scalar, optional
         Default 0.95.
     epsilon : float or symbolic scalar, optional
@@ -634,11 +651,11 @@ def adadelta(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0
 
     Returns
     -------
-    RuleUpdates
+    OrderedDict
     """
-    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
+    g, layout = _average(loss_or_grads, params, grad_transform)
     accu = layout.zeros("accu")
     delta_accu = layout.zeros("delta_accu")
     accu_t = rho * accu + (1 - rho) * g ** 2
@@ -646,12 +663,13 @@ def adadelta(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 1.0
     updates = layout.moved(-(learning_rate * update))
     updates[accu] = _as_type_of(accu, accu_t)
     updates[delta_accu] = _as_type_of(delta_accu, rho * delta_accu + (1 - rho) * update ** 2)
-    return RuleUpdates(grad_updates, updates, flat)
+    return updates
 
 
+@_lasagne_rule
 def adam(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.001, beta1: Any = 0.9,
-         beta2: Any = 0.999, epsilon: Any = 1e-8, *, weight: Any = None,
-         grad_transform: GradTransform | None = None) -> RuleUpdates:
+         beta2: Any = 0.999, epsilon: Any = 1e-8, *,
+         grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """Adam (Kingma & Ba, 2014): bias-corrected moving averages of the gradient and its square.
 
     ``t := t + 1`` (ONE counter for all parameters);
@@ -661,7 +679,7 @@ def adam(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.001, 
 
     Parameters
     ----------
-    loss_or_grads, params, weight, grad_transform
+    loss_or_grads, params, grad_transform
         As for :func:`sgd`.
     learning_rate : float or symbolic scalar, optional
         Default 0.001.
@@ -674,18 +692,13 @@ def adam(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.001, 
 
     Returns
     -------
-    RuleUpdates
-        Its ``param_updates`` hold the parameters, ``m`` and ``v`` (flat vectors, one entry per
-        parameter value) and one counter ``t``.
-
-    Notes
-    -----
-    Synkhronos 1.0's adaptation added the counter's update once per parameter, which PyTensor
-    refuses for more than one parameter; here it is one update.
+    OrderedDict
+        The parameters, ``m`` and ``v`` (flat vectors, one entry per parameter value) and one
+        counter ``t``.
     """
-    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
+    g, layout = _average(loss_or_grads, params, grad_transform)
     t_prev = _counter(layout.dtype)
     t = t_prev + 1
     a_t = learning_rate * pt.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
@@ -696,12 +709,13 @@ def adam(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.001, 
     updates[m_prev] = _as_type_of(m_prev, m_t)
     updates[v_prev] = _as_type_of(v_prev, v_t)
     updates[t_prev] = _as_type_of(t_prev, t)
-    return RuleUpdates(grad_updates, updates, flat)
+    return updates
 
 
+@_lasagne_rule
 def adamax(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.002, beta1: Any = 0.9,
-           beta2: Any = 0.999, epsilon: Any = 1e-8, *, weight: Any = None,
-           grad_transform: GradTransform | None = None) -> RuleUpdates:
+           beta2: Any = 0.999, epsilon: Any = 1e-8, *,
+           grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """Adamax (Kingma & Ba, 2014): Adam with the infinity norm.
 
     ``t := t + 1`` (ONE counter);
@@ -711,7 +725,7 @@ def adamax(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.002
 
     Parameters
     ----------
-    loss_or_grads, params, weight, grad_transform
+    loss_or_grads, params, grad_transform
         As for :func:`sgd`.
     learning_rate : float or symbolic scalar, optional
         Default 0.002.
@@ -724,11 +738,11 @@ def adamax(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.002
 
     Returns
     -------
-    RuleUpdates
+    OrderedDict
     """
-    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
+    g, layout = _average(loss_or_grads, params, grad_transform)
     t_prev = _counter(layout.dtype)
     t = t_prev + 1
     a_t = learning_rate / (1 - beta1 ** t)
@@ -739,12 +753,13 @@ def adamax(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.002
     updates[m_prev] = _as_type_of(m_prev, m_t)
     updates[u_prev] = _as_type_of(u_prev, u_t)
     updates[t_prev] = _as_type_of(t_prev, t)
-    return RuleUpdates(grad_updates, updates, flat)
+    return updates
 
 
+@_lasagne_rule
 def amsgrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.001, beta1: Any = 0.9,
-            beta2: Any = 0.999, epsilon: Any = 1e-8, *, weight: Any = None,
-            grad_transform: GradTransform | None = None) -> RuleUpdates:
+            beta2: Any = 0.999, epsilon: Any = 1e-8, *,
+            grad_transform: GradTransform | None = None) -> OrderedDict[Any, Any]:
     """AMSGrad (Reddi, Kale & Kumar, 2018): Adam with the running maximum of the second moment.
 
     ``t := t + 1`` (ONE counter);
@@ -755,7 +770,7 @@ def amsgrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.00
 
     Parameters
     ----------
-    loss_or_grads, params, weight, grad_transform
+    loss_or_grads, params, grad_transform
         As for :func:`sgd`.
     learning_rate : float or symbolic scalar, optional
         Default 0.001.
@@ -766,11 +781,11 @@ def amsgrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.00
 
     Returns
     -------
-    RuleUpdates
+    OrderedDict
     """
-    grad_updates, g, flat, layout = _flat_average(loss_or_grads, params, weight, grad_transform)
     import pytensor.tensor as pt
 
+    g, layout = _average(loss_or_grads, params, grad_transform)
     t_prev = _counter(layout.dtype)
     t = t_prev + 1
     a_t = learning_rate * pt.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
@@ -783,7 +798,7 @@ def amsgrad(loss_or_grads: Any, params: Sequence[Any], learning_rate: Any = 0.00
     updates[v_prev] = _as_type_of(v_prev, v_t)
     updates[v_hat_prev] = _as_type_of(v_hat_prev, v_hat_t)
     updates[t_prev] = _as_type_of(t_prev, t)
-    return RuleUpdates(grad_updates, updates, flat)
+    return updates
 
 
 # --- constraints ----------------------------------------------------------------------------------
@@ -841,7 +856,8 @@ def norm_constraint(tensor_var: Any, max_norm: Any, norm_axes: Sequence[int] | N
     elif ndim in (3, 4, 5):
         sum_over = tuple(range(1, ndim))
     else:
-        raise ValueError(f"norm_constraint: no default norm axes for a {ndim}-d tensor; give norm_axes")
+        raise ValueError(f"Unsupported tensor dimensionality {ndim}: norm_constraint has no default norm axes "
+                         "for it, give norm_axes")
     dtype = np.dtype(tensor_var.dtype).type
     norms = pt.sqrt(pt.sum(pt.sqr(tensor_var), axis=sum_over, keepdims=True))
     target = pt.clip(norms, 0, dtype(max_norm) if isinstance(max_norm, (int, float)) else max_norm)

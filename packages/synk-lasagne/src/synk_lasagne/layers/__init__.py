@@ -7,14 +7,20 @@ Lasagne's.  See the "Lasagne layers" guide for the porting notes.
 ==============================  ===================================================================
 input                           :class:`InputLayer`
 dense                           :class:`DenseLayer`
-convolution                     :class:`Conv2DLayer` (stride, pad, dilation, groups, flip_filters)
-pooling                         :class:`MaxPool2DLayer`, :class:`Pool2DLayer`, :class:`GlobalPoolLayer`
-normalization                   :class:`BatchNormLayer`, :func:`batch_norm`,
+convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stride, pad, dilation, groups, flip_filters)
+pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
+                                :class:`Pool2DLayer`, :class:`GlobalPoolLayer`,
+                                :class:`FeaturePoolLayer`, :class:`FeatureWTALayer`,
+                                :class:`Upscale1DLayer`, :class:`Upscale2DLayer`, :class:`Upscale3DLayer`
+normalization                   :class:`BatchNormLayer`, :func:`batch_norm`, :class:`StandardizationLayer`,
                                 :func:`average_running_statistics`, :func:`get_running_statistics`
 merge                           :class:`ElemwiseSumLayer`, :class:`ConcatLayer`
-noise                           :class:`DropoutLayer`
-shape                           :class:`FlattenLayer`, :class:`ReshapeLayer`
-special                         :class:`NonlinearityLayer`, :class:`ExpressionLayer`
+noise                           :class:`DropoutLayer`, :class:`GaussianNoiseLayer`
+embedding                       :class:`EmbeddingLayer`, :class:`NINLayer` (network in network)
+shape                           :class:`FlattenLayer`, :class:`ReshapeLayer`, :class:`DimshuffleLayer`,
+                                :class:`PadLayer`, :class:`SliceLayer`
+special                         :class:`NonlinearityLayer`, :class:`ExpressionLayer`, :class:`BiasLayer`,
+                                :class:`ScaleLayer`, :func:`standardize`
 state updates                   :func:`get_state_updates` (batch norm's running averages, dropout's
                                 generators: what a training function must apply),
                                 :func:`add_state_updates`
@@ -38,8 +44,9 @@ Example
 """
 
 from synk_lasagne.layers.base import Layer, MergeLayer, add_state_updates, get_state_updates
-from synk_lasagne.layers.conv import Conv2DLayer
-from synk_lasagne.layers.dense import DenseLayer
+from synk_lasagne.layers.conv import Conv1DLayer, Conv2DLayer
+from synk_lasagne.layers.dense import DenseLayer, NINLayer
+from synk_lasagne.layers.embedding import EmbeddingLayer
 from synk_lasagne.layers.helper import (
     count_params,
     get_all_layers,
@@ -51,21 +58,45 @@ from synk_lasagne.layers.helper import (
 )
 from synk_lasagne.layers.input import InputLayer
 from synk_lasagne.layers.merge import ConcatLayer, ElemwiseSumLayer, concat
-from synk_lasagne.layers.noise import DropoutLayer, dropout
+from synk_lasagne.layers.noise import DropoutLayer, GaussianNoiseLayer, dropout
 from synk_lasagne.layers.normalization import (
     BatchNormLayer,
+    StandardizationLayer,
     average_running_statistics,
     batch_norm,
     get_running_statistics,
 )
-from synk_lasagne.layers.pool import GlobalPoolLayer, MaxPool2DLayer, Pool2DLayer
-from synk_lasagne.layers.shape import FlattenLayer, ReshapeLayer, flatten, reshape
-from synk_lasagne.layers.special import ExpressionLayer, NonlinearityLayer
+from synk_lasagne.layers.pool import (
+    FeaturePoolLayer,
+    FeatureWTALayer,
+    GlobalPoolLayer,
+    MaxPool1DLayer,
+    MaxPool2DLayer,
+    Pool1DLayer,
+    Pool2DLayer,
+    Upscale1DLayer,
+    Upscale2DLayer,
+    Upscale3DLayer,
+)
+from synk_lasagne.layers.shape import (
+    DimshuffleLayer,
+    FlattenLayer,
+    PadLayer,
+    ReshapeLayer,
+    SliceLayer,
+    dimshuffle,
+    flatten,
+    pad,
+    reshape,
+)
+from synk_lasagne.layers.special import BiasLayer, ExpressionLayer, NonlinearityLayer, ScaleLayer, standardize
 
-__all__ = ["BatchNormLayer", "ConcatLayer", "Conv2DLayer", "DenseLayer", "DropoutLayer", "ElemwiseSumLayer",
-           "ExpressionLayer", "FlattenLayer", "GlobalPoolLayer", "InputLayer", "Layer", "MaxPool2DLayer",
-           "MergeLayer", "NonlinearityLayer", "Pool2DLayer", "ReshapeLayer", "add_state_updates",
-           "average_running_statistics",
-           "batch_norm", "concat", "count_params", "dropout", "flatten", "get_all_layers", "get_all_param_values",
-           "get_all_params", "get_output", "get_output_shape", "get_running_statistics", "get_state_updates", "reshape",
-           "set_all_param_values"]
+__all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "DenseLayer",
+           "DimshuffleLayer", "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
+           "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GaussianNoiseLayer", "GlobalPoolLayer",
+           "InputLayer", "Layer", "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer",
+           "PadLayer", "Pool1DLayer", "Pool2DLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
+           "StandardizationLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates",
+           "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle", "dropout", "flatten",
+           "get_all_layers", "get_all_param_values", "get_all_params", "get_output", "get_output_shape",
+           "get_running_statistics", "get_state_updates", "pad", "reshape", "set_all_param_values", "standardize"]

@@ -12,8 +12,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 __all__ = ["Layer", "MergeLayer", "add_state_updates", "create_param", "get_state_updates"]
 
 Shape = tuple[Any, ...]
@@ -21,47 +19,10 @@ Shape = tuple[Any, ...]
 
 
 def create_param(spec: Any, shape: Sequence[int], name: str | None = None) -> Any:
-    """A shared variable of ``shape`` from ``spec``.
+    """A layer's parameter from ``spec``: :func:`synk_lasagne.utils.create_param`."""
+    from synk_lasagne.utils import create_param as create
 
-    Parameters
-    ----------
-    spec : shared variable, numpy array, or callable
-        Used as is (its shape must be ``shape``), wrapped as a floatX shared variable, or called
-        with ``shape`` (an initialiser of :mod:`synk_lasagne.init`).  New variables have
-        ``shape`` as their static shape, so that the output shapes of convolutions are known to
-        PyTensor (and stay concrete under its JAX backend).
-    shape : tuple of int
-    name : str, optional
-
-    Returns
-    -------
-    shared variable
-
-    Raises
-    ------
-    ValueError
-        For a value of another shape.
-    TypeError
-        For any other ``spec``.
-    """
-    import pytensor
-    from pytensor.compile.sharedvalue import SharedVariable
-
-    shape = tuple(int(s) for s in shape)
-    if isinstance(spec, SharedVariable):
-        value_shape = np.shape(spec.get_value(borrow=True))
-        if value_shape != shape:
-            raise ValueError(f"parameter {name!r}: the shared variable has shape {value_shape}, the layer needs "
-                             f"{shape}")
-        return spec
-    if isinstance(spec, np.ndarray) or (callable(spec) and not hasattr(spec, "owner")):
-        value = spec if isinstance(spec, np.ndarray) else spec(shape)
-        value = np.asarray(value, dtype=pytensor.config.floatX)
-        if value.shape != shape:
-            raise ValueError(f"parameter {name!r}: the value has shape {value.shape}, the layer needs {shape}")
-        return pytensor.shared(value, name=name, shape=shape)  # static: every layer above knows its shapes
-    raise TypeError(f"parameter {name!r}: give a shared variable, a numpy array or an initialiser "
-                    f"(synk_lasagne.init), got {type(spec).__name__}")
+    return create(spec, shape, name)
 
 
 STATE_UPDATES = "synk_lasagne_state_updates"

@@ -1,4 +1,4 @@
-"""Convolution layers: :class:`Conv2DLayer` (on :func:`synk_lasagne.conv.conv2d`)."""
+"""Convolution layers: :class:`Conv1DLayer`, :class:`Conv2DLayer` (on :func:`synk_lasagne.conv.conv2d`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from synk_lasagne.conv import _pair, conv2d, conv_output_length, normalize_pad, 
 from synk_lasagne.init import GLOROT_UNIFORM, ZEROS
 from synk_lasagne.layers.base import Layer
 
-__all__ = ["Conv2DLayer"]
+__all__ = ["Conv1DLayer", "Conv2DLayer"]
 
 
 class Conv2DLayer(Layer):
@@ -86,4 +86,85 @@ class Conv2DLayer(Layer):
         activation = self.convolve(input, **kwargs)
         if self.b is not None:
             activation = activation + (self.b[None] if self.untie_biases else self.b[None, :, None, None])
+        return self.nonlinearity(activation)
+
+
+def _single_pad(pad: Any) -> Any:
+    """A 1-d layer's ``pad`` as :func:`~synk_lasagne.conv.normalize_pad` takes it for ``(1, length)`` images."""
+    from synk_lasagne.utils import as_tuple, int_types
+
+    if isinstance(pad, str):
+        if pad not in ("valid", "full", "same"):
+            raise TypeError(f"pad must be 'valid', 'full', 'same', an int or an iterable of int, got {pad!r}")
+        return pad
+    (p,) = as_tuple(pad, 1, int_types)
+    return ((0, 0), (int(p), int(p)))
+
+
+class Conv1DLayer(Conv2DLayer):
+    """``nonlinearity(conv1d(input, W) + b)`` over ``(batch, channels, length)`` input (Lasagne's).
+
+    The convolution of :class:`Conv2DLayer` over ``(batch, channels, 1, length)``.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    num_filters : int
+    filter_size : int or (int,)
+    stride : int or (int,)
+    pad : {"valid", "full", "same"}, int or (int,)
+    untie_biases : bool
+    W : initialiser, array or shared variable
+        ``(num_filters, channels // num_groups, filter_size)``.
+    b, nonlinearity, flip_filters, num_groups
+        As for :class:`Conv2DLayer`.
+    dilation : int or (int,)
+    """
+
+    def __init__(self, incoming: Any, num_filters: int, filter_size: Any, stride: Any = 1, pad: Any = 0,
+                 untie_biases: bool = False, W: Any = GLOROT_UNIFORM, b: Any = ZEROS,
+                 nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = True, dilation: Any = 1,
+                 num_groups: int = 1, **kwargs: Any) -> None:
+        from synk_lasagne.layers.base import Layer as _Layer
+        from synk_lasagne.utils import as_tuple, int_types
+
+        _Layer.__init__(self, incoming, **kwargs)
+        if len(self.input_shape) != 3:
+            raise ValueError(f"Tried to create a 1D convolution layer with input shape {self.input_shape}. "
+                             "Expected 3 input dimensions (batchsize, channels, 1 spatial dimensions).")
+        channels = self.input_shape[1]
+        if channels is None or channels % num_groups or num_filters % num_groups:
+            raise ValueError(f"{channels} channels and {num_filters} filters must both split into num_groups="
+                             f"{num_groups} groups")
+        self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
+        self.num_filters = int(num_filters)
+        self.filter_size = (1, *as_tuple(filter_size, 1, int_types))
+        self.stride = (1, *as_tuple(stride, 1, int_types))
+        self.dilation = (1, *as_tuple(dilation, 1, int_types))
+        self.pad = normalize_pad(_single_pad(pad))
+        self.untie_biases = untie_biases
+        self.flip_filters = flip_filters
+        self.num_groups = int(num_groups)
+        self.W = self.add_param(W, (self.num_filters, channels // self.num_groups, self.filter_size[1]), name="W")
+        if b is None:
+            self.b = None
+        else:
+            shape = (self.num_filters, *self.output_shape[2:]) if untie_biases else (self.num_filters,)
+            self.b = self.add_param(b, shape, name="b", regularizable=False)
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        batch, _, *spatial = super().get_output_shape_for((*input_shape[:2], 1, input_shape[2]))
+        return (batch, self.num_filters, spatial[1])
+
+    def convolve(self, input: Any, **kwargs: Any) -> Any:
+        """The convolution alone (no bias, no nonlinearity)."""
+        filters = self.W[:, :, None, ::-1] if self.flip_filters else self.W[:, :, None, :]
+        out = conv2d(input[:, :, None, :], filters, stride=self.stride, pad=self.pad, dilation=self.dilation,
+                     groups=self.num_groups)
+        return out[:, :, 0, :]
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        activation = self.convolve(input, **kwargs)
+        if self.b is not None:
+            activation = activation + (self.b[None] if self.untie_biases else self.b[None, :, None])
         return self.nonlinearity(activation)

@@ -9,8 +9,9 @@ import numpy as np
 from synk_lasagne import nonlinearities
 from synk_lasagne.init import GLOROT_UNIFORM, ZEROS
 from synk_lasagne.layers.base import Layer
+from synk_lasagne.layers.special import NonlinearityLayer
 
-__all__ = ["DenseLayer"]
+__all__ = ["DenseLayer", "NINLayer", "NonlinearityLayer"]
 
 
 class DenseLayer(Layer):
@@ -62,3 +63,38 @@ class DenseLayer(Layer):
         if self.b is not None:
             activation = activation + self.b
         return self.nonlinearity(activation)
+
+
+class NINLayer(Layer):
+    """Network-in-network: a dense layer applied at every position, over axis 1 (the channels).
+
+    ``W`` is ``(channels, num_units)``; ``b`` is ``(num_units,)`` or, with ``untie_biases``, one
+    per unit and position ``(num_units, *spatial)``.
+    """
+
+    def __init__(self, incoming: Any, num_units: int, untie_biases: bool = False, W: Any = GLOROT_UNIFORM,
+                 b: Any = ZEROS, nonlinearity: Any = nonlinearities.rectify, **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
+        self.num_units = int(num_units)
+        self.untie_biases = untie_biases
+        self.W = self.add_param(W, (self.input_shape[1], self.num_units), name="W")
+        if b is None:
+            self.b = None
+        else:
+            shape = (self.num_units, *self.input_shape[2:]) if untie_biases else (self.num_units,)
+            self.b = self.add_param(b, shape, name="b", regularizable=False)
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        return (input_shape[0], self.num_units, *input_shape[2:])
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        moved = pt.tensordot(self.W, input, axes=[[0], [1]])  # (units, batch, *spatial)
+        out = moved.dimshuffle(1, 0, *range(2, input.ndim))
+        if self.b is not None:
+            spatial = input.ndim - 2
+            out = out + (self.b.dimshuffle("x", *range(self.b.ndim)) if self.untie_biases
+                         else self.b.dimshuffle("x", 0, *["x"] * spatial))
+        return self.nonlinearity(out)

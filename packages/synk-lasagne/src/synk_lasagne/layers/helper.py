@@ -33,6 +33,8 @@ def _as_list(layer_or_layers: Any) -> tuple[list[Any], bool]:
 
 
 def _incoming(layer: Layer) -> list[Layer]:
+    if isinstance(layer, InputLayer):
+        return []
     if isinstance(layer, MergeLayer):
         return [lay for lay in layer.input_layers if lay is not None]
     return [] if layer.input_layer is None else [layer.input_layer]
@@ -132,10 +134,48 @@ def _with_static_shape(expression: Any, shape: tuple[int | None, ...]) -> Any:
     return pt.specify_shape(expression, tuple(have if want is None else want for want, have in zip(shape, known)))
 
 
-def get_output_shape(layer_or_layers: Any) -> Any:
-    """The output shape of a layer, or a list of them (None for unknown lengths)."""
+def get_output_shape(layer_or_layers: Any, input_shapes: Any = None) -> Any:
+    """The output shape of a layer, or a list of them (None for unknown lengths).
+
+    Parameters
+    ----------
+    layer_or_layers : Layer or list of Layer
+    input_shapes : tuple, or dict ``{InputLayer or Layer: tuple}``, optional
+        Shapes to propagate instead of the layers' own: one shape for the only InputLayer, or a
+        shape per layer (whose output shape it then is).
+
+    Returns
+    -------
+    tuple, or list of tuples
+    """
     layers, single = _as_list(layer_or_layers)
-    shapes = [lay.output_shape for lay in layers]
+    if input_shapes is None or input_shapes == {}:
+        shapes = [lay.output_shape for lay in layers]
+        return shapes[0] if single else shapes
+    treat_as_input = list(input_shapes) if isinstance(input_shapes, dict) else []
+    all_layers = get_all_layers(layers, treat_as_input)
+    known: dict[Any, Any] = {}
+    if isinstance(input_shapes, dict):
+        known.update(input_shapes)
+    else:
+        input_layers = [lay for lay in all_layers if isinstance(lay, InputLayer)]
+        if len(input_layers) != 1:
+            raise ValueError(f"get_output_shape got one input shape for {len(input_layers)} InputLayers: pass a "
+                             "dict {input_layer: shape}")
+        known[input_layers[0]] = input_shapes
+    for lay in all_layers:
+        if lay in known:
+            continue
+        if isinstance(lay, InputLayer):
+            known[lay] = lay.output_shape
+        elif isinstance(lay, MergeLayer):
+            known[lay] = lay.get_output_shape_for([known[i] for i in lay.input_layers])
+        elif lay.input_layer is None:
+            raise ValueError(f"{lay!r} was made from a shape, not a layer: give its input shape through "
+                             "input_shapes={layer: shape}")
+        else:
+            known[lay] = lay.get_output_shape_for(known[lay.input_layer])
+    shapes = [known[lay] for lay in layers]
     return shapes[0] if single else shapes
 
 

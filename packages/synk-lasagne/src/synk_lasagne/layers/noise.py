@@ -1,4 +1,4 @@
-"""Noise layers: :class:`DropoutLayer`.
+"""Noise layers: :class:`DropoutLayer`, :class:`GaussianNoiseLayer`.
 
 The mask comes from a shared random generator; the output carries the generator's update (see
 :func:`~synk_lasagne.layers.get_state_updates`), so that each call draws a new mask.  In a forked
@@ -16,7 +16,7 @@ import numpy as np
 from synk_lasagne.layers.base import Layer, add_state_updates
 from synk_lasagne.random import get_rng
 
-__all__ = ["DropoutLayer", "dropout"]
+__all__ = ["DropoutLayer", "GaussianNoiseLayer", "dropout"]
 
 
 class DropoutLayer(Layer):
@@ -48,7 +48,6 @@ class DropoutLayer(Layer):
         self.shared_axes = tuple(shared_axes)
 
     def get_output_for(self, input: Any, deterministic: bool = False, **kwargs: Any) -> Any:
-        import pytensor
         import pytensor.tensor as pt
 
         if deterministic or self.p == 0:
@@ -60,7 +59,7 @@ class DropoutLayer(Layer):
         mask_shape = tuple(1 if a in shared else input.shape[a] for a in range(input.ndim))
         # uniform draws, not binomial: PyTensor's JAX backend has binomial only with NumPyro installed
         next_rng, draws = pt.random.uniform(0.0, 1.0, size=mask_shape, rng=self.rng, return_next_rng=True)
-        mask = pt.cast(pt.lt(draws, keep), pytensor.config.floatX)
+        mask = pt.cast(pt.lt(draws, keep), input.dtype)  # float32 stays float32
         if shared:
             mask = pt.specify_broadcastable(mask, *shared)
         output = input * mask
@@ -69,3 +68,25 @@ class DropoutLayer(Layer):
 
 
 dropout = DropoutLayer
+
+
+class GaussianNoiseLayer(Layer):
+    """Adds ``N(0, sigma**2)`` noise in training (``deterministic=False``); the identity otherwise."""
+
+    def __init__(self, incoming: Any, sigma: float = 0.1, **kwargs: Any) -> None:
+        import pytensor
+
+        super().__init__(incoming, **kwargs)
+        self.rng = pytensor.shared(np.random.default_rng(get_rng().randint(1, 2147462579)),
+                                   name=f"{self.name}.rng" if self.name else "noise.rng")
+        self.sigma = sigma
+
+    def get_output_for(self, input: Any, deterministic: bool = False, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        if deterministic or self.sigma == 0:
+            return input
+        next_rng, noise = pt.random.normal(0.0, self.sigma, size=input.shape, rng=self.rng, return_next_rng=True)
+        output = input + pt.cast(noise, input.dtype)
+        add_state_updates(output, [(self.rng, next_rng)])
+        return output

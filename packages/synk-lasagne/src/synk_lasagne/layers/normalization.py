@@ -32,7 +32,8 @@ from synk_lasagne import nonlinearities
 from synk_lasagne.init import ONES, ZEROS
 from synk_lasagne.layers.base import Layer, add_state_updates
 
-__all__ = ["BatchNormLayer", "average_running_statistics", "batch_norm", "get_running_statistics"]
+__all__ = ["BatchNormLayer", "StandardizationLayer", "average_running_statistics", "batch_norm",
+           "get_running_statistics"]
 
 
 class BatchNormLayer(Layer):
@@ -168,3 +169,37 @@ def average_running_statistics(layer_or_layers: Any) -> None:
     rt = current()
     if statistics and rt is not None and not rt.group.closed:
         synk.all_reduce(statistics, op="avg")
+
+
+class StandardizationLayer(Layer):
+    """Each sample standardized over ``axes``: ``(x - mean) / sqrt(var + epsilon)`` (no state).
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    axes : "auto", "spatial", "features", int or tuple of int
+        ``"auto"``: axis 1 for 2-d input, the spatial axes (2 and after) otherwise (instance
+        normalization); ``"features"``: every axis after 0 (layer normalization).
+    epsilon : float
+        Added to the variance (default 1e-4).
+    """
+
+    def __init__(self, incoming: Any, axes: Any = "auto", epsilon: float = 1e-4, **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        ndim = len(self.input_shape)
+        if axes == "auto":
+            axes = (1,) if ndim == 2 else tuple(range(2, ndim))
+        elif axes == "spatial":
+            axes = tuple(range(2, ndim))
+        elif axes == "features":
+            axes = tuple(range(1, ndim))
+        elif isinstance(axes, int):
+            axes = (axes,)
+        self.axes = tuple(axes)
+        self.epsilon = epsilon
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        mean = input.mean(self.axes, keepdims=True)
+        return (input - mean) / pt.sqrt(input.var(self.axes, keepdims=True) + self.epsilon)

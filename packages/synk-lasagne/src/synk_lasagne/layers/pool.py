@@ -1,15 +1,39 @@
-"""Pooling layers: :class:`MaxPool2DLayer`, :class:`Pool2DLayer`, :class:`GlobalPoolLayer`."""
+"""Pooling layers: :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
+:class:`Pool2DLayer`, :class:`GlobalPoolLayer`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from synk_lasagne.conv import _pair
 from synk_lasagne.layers.base import Layer
-from synk_lasagne.pool import pool2d, pool_output_length
+from synk_lasagne.pool import pool2d
+from synk_lasagne.pool import pool_output_length as _full_windows
 
-__all__ = ["GlobalPoolLayer", "MaxPool2DLayer", "Pool2DLayer"]
+__all__ = ["FeaturePoolLayer", "FeatureWTALayer", "GlobalPoolLayer", "MaxPool1DLayer", "MaxPool2DLayer",
+           "Pool1DLayer", "Pool2DLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "pool_output_length"]
+
+
+def pool_output_length(input_length: Any, pool_size: int, stride: int, pad: int, ignore_border: bool) -> Any:
+    """The length of a pooled axis (Lasagne's): windows crossing the border dropped
+    (``ignore_border``), or kept as partial windows (no padding then)."""
+    if input_length is None or pool_size is None:
+        return None
+    if ignore_border:
+        return _full_windows(input_length, pool_size, stride, pad)
+    if pad:
+        raise ValueError("ignore_border=False needs pad=0 (partial windows already keep the border)")
+    if stride >= pool_size:
+        return (input_length + stride - 1) // stride
+    steps = (input_length - pool_size + stride - 1) // stride
+    if isinstance(steps, (int, np.integer)):
+        return max(0, int(steps)) + 1
+    import pytensor.tensor as pt
+
+    return pt.maximum(0, steps) + 1
 
 
 class Pool2DLayer(Layer):
@@ -23,30 +47,103 @@ class Pool2DLayer(Layer):
         Default: ``pool_size``.
     pad : int or (int, int)
     ignore_border : bool
-        Only True (Lasagne's default: windows that cross the padded border are dropped).
+        True (Lasagne's default): windows that cross the padded border are dropped; False: kept as
+        partial windows (``pad`` must be 0; ``mode="max"`` only).
     mode : {"max", "average_inc_pad", "average_exc_pad"}
     """
 
     def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = (0, 0),
                  ignore_border: bool = True, mode: str = "max", **kwargs: Any) -> None:
         super().__init__(incoming, **kwargs)
-        if not ignore_border:
-            raise ValueError("ignore_border=False (partial windows at the border) is not supported: pad the "
-                             "input (pad=...) to keep the border")
         self.pool_size = _pair(pool_size, "pool_size")
         self.stride = self.pool_size if stride is None else _pair(stride, "stride")
         self.pad = _pair(pad, "pad")
         self.ignore_border = ignore_border
         self.mode = mode
+        if not ignore_border and (mode != "max" or any(self.pad)):
+            raise NotImplementedError("ignore_border=False (partial windows) is implemented for mode='max' "
+                                      "and pad=0: pad the input instead")
         pool2d(_probe(len(self.input_shape)), self.pool_size, self.stride, self.pad, mode)  # checks the arguments
 
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
-        spatial = (pool_output_length(n, w, s, p) for n, w, s, p in
+        spatial = (pool_output_length(n, w, s, p, self.ignore_border) for n, w, s, p in
                    zip(input_shape[-2:], self.pool_size, self.stride, self.pad))
         return (*input_shape[:-2], *spatial)
 
     def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        if not self.ignore_border:
+            input = _pad_partial(input, self.pool_size, self.stride)
         return pool2d(input, self.pool_size, self.stride, self.pad, self.mode)
+
+
+def _pad_partial(x: Any, pool_size: tuple[int, int], stride: tuple[int, int]) -> Any:
+    """``x`` padded after its last two axes with the lowest value, so that the full windows of the
+    result are the partial windows of ``x`` (max pooling with ``ignore_border=False``)."""
+    import pytensor.tensor as pt
+
+    lengths = [x.shape[-2], x.shape[-1]]
+    extra = []
+    for n, w, s in zip(lengths, pool_size, stride):
+        out = pool_output_length(n, w, s, 0, False)
+        extra.append(pt.maximum((out - 1) * s + w - n, 0))
+    dtype = x.dtype
+    low = np.finfo(dtype).min if np.dtype(dtype).kind == "f" else np.iinfo(dtype).min
+    shape = (*[x.shape[i] for i in range(x.ndim - 2)], lengths[0] + extra[0], lengths[1] + extra[1])
+    padded = pt.full(shape, np.asarray(low, dtype=dtype), dtype=dtype)
+    return pt.set_subtensor(padded[..., :lengths[0], :lengths[1]], x)
+
+
+class Pool1DLayer(Layer):
+    """Pooling over the last axis of ``(batch, channels, length)`` input (Lasagne's).
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    pool_size : int
+    stride : int, optional
+        Default: ``pool_size``.
+    pad : int
+    ignore_border : bool
+        As for :class:`Pool2DLayer`.
+    mode : {"max", "average_inc_pad", "average_exc_pad"}
+    """
+
+    def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = 0,
+                 ignore_border: bool = True, mode: str = "max", **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        if len(self.input_shape) != 3:
+            raise ValueError(f"Tried to create a 1D pooling layer with input shape {self.input_shape}. Expected 3 "
+                             "input dimensions (batchsize, channels, 1 spatial dimensions).")
+        self.pool_size = _single(pool_size, "pool_size")
+        self.stride = self.pool_size if stride is None else _single(stride, "stride")
+        self.pad = _single(pad, "pad")
+        self.ignore_border = ignore_border
+        self.mode = mode
+        self._pool = Pool2DLayer((None, None, 1, None), (1, *self.pool_size), (1, *self.stride), (0, *self.pad),
+                                 ignore_border, mode)
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        length = pool_output_length(input_shape[-1], self.pool_size[0], self.stride[0], self.pad[0],
+                                    self.ignore_border)
+        return (*input_shape[:-1], length)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        return self._pool.get_output_for(input[:, :, None, :])[:, :, 0, :]
+
+
+def _single(value: Any, what: str) -> tuple[int]:
+    from synk_lasagne.utils import as_tuple, int_types
+
+    (v,) = as_tuple(value, 1, int_types)
+    return (int(v),)
+
+
+class MaxPool1DLayer(Pool1DLayer):
+    """Max pooling over the last axis (:class:`Pool1DLayer` with ``mode="max"``)."""
+
+    def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = 0,
+                 ignore_border: bool = True, **kwargs: Any) -> None:
+        super().__init__(incoming, pool_size, stride, pad, ignore_border, mode="max", **kwargs)
 
 
 def _probe(ndim: int) -> Any:
@@ -84,3 +181,116 @@ class GlobalPoolLayer(Layer):
 
     def get_output_for(self, input: Any, **kwargs: Any) -> Any:
         return self.pool_function(input, axis=tuple(range(2, input.ndim)))  # no reshape: static shapes under JAX
+
+
+class FeaturePoolLayer(Layer):
+    """``pool_function`` over groups of ``pool_size`` consecutive features along ``axis`` (maxout)."""
+
+    def __init__(self, incoming: Any, pool_size: int, axis: int = 1, pool_function: Callable[..., Any] | None = None,
+                 **kwargs: Any) -> None:
+        import pytensor.tensor as pt
+
+        super().__init__(incoming, **kwargs)
+        self.pool_size, self.axis = pool_size, axis
+        self.pool_function = pt.max if pool_function is None else pool_function
+        features = self.input_shape[axis]
+        if features % pool_size:
+            raise ValueError(f"Number of input feature maps ({features}) is not a multiple of the pool size "
+                             f"(pool_size={pool_size})")
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        out = list(input_shape)
+        out[self.axis] = input_shape[self.axis] // self.pool_size
+        return tuple(out)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        shape = [input.shape[i] for i in range(input.ndim)]
+        axis = self.axis % input.ndim
+        grouped = (*shape[:axis], shape[axis] // self.pool_size, self.pool_size, *shape[axis + 1:])
+        return self.pool_function(input.reshape(grouped), axis=axis + 1)
+
+
+class FeatureWTALayer(Layer):
+    """Winner takes all in groups of ``pool_size`` features along ``axis``: the largest kept, the
+    others zero."""
+
+    def __init__(self, incoming: Any, pool_size: int, axis: int = 1, **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        self.pool_size, self.axis = pool_size, axis
+        features = self.input_shape[axis]
+        if features % pool_size:
+            raise ValueError(f"Number of input feature maps ({features}) is not a multiple of the region size "
+                             f"(pool_size={pool_size})")
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        shape = [input.shape[i] for i in range(input.ndim)]
+        axis = self.axis % input.ndim
+        grouped = input.reshape((*shape[:axis], shape[axis] // self.pool_size, self.pool_size, *shape[axis + 1:]))
+        winner = pt.argmax(grouped, axis=axis + 1, keepdims=True)
+        position = pt.arange(self.pool_size).reshape((*([1] * (axis + 1)), self.pool_size,
+                                                      *([1] * (input.ndim - axis - 1))))
+        return input * pt.cast(pt.eq(winner, position), input.dtype).reshape(input.shape)
+
+
+class _UpscaleLayer(Layer):
+    """Upscaling of the last ``n`` axes by integer factors: ``"repeat"`` repeats each value,
+    ``"dilate"`` puts it at the first position of its block and zeros elsewhere."""
+
+    n = 2
+
+    def __init__(self, incoming: Any, scale_factor: Any, mode: str = "repeat", **kwargs: Any) -> None:
+        from synk_lasagne.utils import as_tuple
+
+        super().__init__(incoming, **kwargs)
+        self.scale_factor = tuple(as_tuple(scale_factor, self.n))
+        if any(f < 1 for f in self.scale_factor):
+            raise ValueError(f"Scale factor must be >= 1, not {self.scale_factor}")
+        if mode not in ("repeat", "dilate"):
+            raise ValueError(f"Mode must be either 'repeat' or 'dilate', not {mode}")
+        self.mode = mode
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        out = list(input_shape)
+        for i, factor in enumerate(self.scale_factor):
+            axis = len(out) - self.n + i
+            if out[axis] is not None:
+                out[axis] = out[axis] * factor
+        return tuple(out)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        first = input.ndim - self.n
+        if self.mode == "repeat":
+            out = input
+            for i, factor in enumerate(self.scale_factor):
+                if factor > 1:
+                    out = pt.repeat(out, factor, axis=first + i)
+            return out
+        if all(f == 1 for f in self.scale_factor):
+            return input
+        shape = [input.shape[a] for a in range(input.ndim)]
+        for i, factor in enumerate(self.scale_factor):
+            shape[first + i] = shape[first + i] * factor
+        index = (slice(None),) * first + tuple(slice(None, None, f) for f in self.scale_factor)
+        return pt.set_subtensor(pt.zeros(shape, dtype=input.dtype)[index], input)
+
+
+class Upscale1DLayer(_UpscaleLayer):
+    """Upscaling of the last axis of ``(batch, channels, length)`` input (Lasagne's)."""
+
+    n = 1
+
+
+class Upscale2DLayer(_UpscaleLayer):
+    """Upscaling of the last two axes (Lasagne's)."""
+
+    n = 2
+
+
+class Upscale3DLayer(_UpscaleLayer):
+    """Upscaling of the last three axes (Lasagne's)."""
+
+    n = 3

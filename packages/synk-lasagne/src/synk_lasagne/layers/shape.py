@@ -8,7 +8,8 @@ import numpy as np
 
 from synk_lasagne.layers.base import Layer
 
-__all__ = ["FlattenLayer", "ReshapeLayer", "flatten", "reshape"]
+__all__ = ["DimshuffleLayer", "FlattenLayer", "PadLayer", "ReshapeLayer", "SliceLayer", "dimshuffle", "flatten",
+           "pad", "reshape"]
 
 
 class FlattenLayer(Layer):
@@ -67,3 +68,107 @@ class ReshapeLayer(Layer):
 
 flatten = FlattenLayer
 reshape = ReshapeLayer
+
+
+class DimshuffleLayer(Layer):
+    """The input's axes reordered by ``pattern``: axis indices, and ``"x"`` for new axes of length 1.
+
+    Axes left out must have length 1 (or be unknown); each index may appear once.
+    """
+
+    def __init__(self, incoming: Any, pattern: Any, **kwargs: Any) -> None:
+        from synk_lasagne.utils import int_types
+
+        super().__init__(incoming, **kwargs)
+        used: set[int] = set()
+        for p in pattern:
+            if isinstance(p, int_types):
+                if p in used:
+                    raise ValueError(f"pattern contains dimension {p} more than once")
+                used.add(int(p))
+            elif p != "x":
+                raise ValueError(f"pattern should only contain dimension indices or 'x', not {p!r}")
+        self.pattern = tuple(pattern)
+        self.get_output_shape_for(self.input_shape)  # checks the pattern against the input
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        out = []
+        used = [False] * len(input_shape)
+        for p in self.pattern:
+            if p == "x":
+                out.append(1)
+                continue
+            if p < 0 or p >= len(input_shape):
+                raise ValueError(f"pattern contains {p}, but input shape has {len(input_shape)} dimensions only")
+            out.append(input_shape[p])
+            used[p] = True
+        for axis, (length, kept) in enumerate(zip(input_shape, used)):
+            if not kept and length not in (1, None):
+                raise ValueError(f"pattern attempted to collapse dimension {axis} of size {length}; dimensions "
+                                 "with size != 1/None are not broadcastable and cannot be collapsed")
+        return tuple(out)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        dropped = [a for a in range(input.ndim) if a not in self.pattern]
+        if dropped:  # lengths of 1 (or unknown: checked when run) the pattern leaves out
+            input = pt.specify_broadcastable(input, *dropped)
+        return input.dimshuffle(self.pattern)
+
+
+dimshuffle = DimshuffleLayer
+
+
+class PadLayer(Layer):
+    """The input padded with ``val`` along every axis after the first ``batch_ndim``
+    (:func:`synk_lasagne.theano_extensions.padding.pad`)."""
+
+    def __init__(self, incoming: Any, width: Any, val: float = 0, batch_ndim: int = 2, **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        self.width, self.val, self.batch_ndim = width, val, batch_ndim
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        from synk_lasagne.utils import int_types
+
+        out = list(input_shape)
+        widths = [self.width] * (len(input_shape) - self.batch_ndim) if isinstance(self.width, int_types) \
+            else self.width
+        for k, w in enumerate(widths):
+            axis = k + self.batch_ndim
+            if out[axis] is not None:
+                before, after = (w, w) if isinstance(w, int_types) else w
+                out[axis] = out[axis] + before + after
+        return tuple(out)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        from synk_lasagne.theano_extensions.padding import pad as pad_tensor
+
+        return pad_tensor(input, self.width, self.val, self.batch_ndim)
+
+
+pad = PadLayer
+
+
+class SliceLayer(Layer):
+    """``input[..., indices]`` along ``axis``: an int drops the axis, a slice keeps it."""
+
+    def __init__(self, incoming: Any, indices: Any, axis: int = -1, **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        self.slice, self.axis = indices, axis
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        from synk_lasagne.utils import int_types
+
+        out = list(input_shape)
+        if isinstance(self.slice, int_types):
+            del out[self.axis]
+        elif input_shape[self.axis] is not None:
+            out[self.axis] = len(range(*self.slice.indices(input_shape[self.axis])))
+        else:
+            out[self.axis] = None
+        return tuple(out)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        axis = self.axis % input.ndim
+        return input[(slice(None),) * axis + (self.slice,)]
