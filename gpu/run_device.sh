@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | inflight | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -213,6 +213,19 @@ if [ "$what" = inflight ]; then
   SYNK_BENCH_PARTS=allreduce,tiny,tf32 timeout 200 python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu_sync.log" || status=1
   SYNK_BENCH_PARTS=tf32 SYNK_BENCH_IN_FLIGHT=2 timeout 150 python3 benchmarks/bench_gpu.py 2>&1 \
     | tee "$OUT/bench_gpu_inflight.log" || status=1
+fi
+# PyMC on the machine's CPU cores (synkhronos.pymc, float64 as PyMC computes): the likelihood's cost per
+# evaluation at 1,000,000 rows (PyMC's own function against the split one at RANKS_PYMC ranks, default
+# 16), then pm.sample side by side (synk, PyMC's default sampler with its chain processes, numpyro on
+# the CPU) at ROWS rows (default 200,000), 4 chains; the .whl folder carries PyMC 6 and its pure-Python
+# dependencies (docs/guides/pymc.rst)
+if [ "$what" = pymc ]; then
+  export PYTENSOR_FLAGS=floatX=float64 JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=
+  timeout 150 python3 benchmarks/bench_pymc.py --evals --rows 1000000 --ranks "${RANKS_PYMC:-16}" --calls 50 2>&1 \
+    | tee "$OUT/pymc_evals.log" || status=1
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 timeout 400 python3 benchmarks/bench_pymc.py --rows "${ROWS:-200000}" \
+    --draws 200 --tune 200 --chains 4 --ranks "${RANKS_PYMC:-16}" --samplers synk,pymc,numpyro --json "$OUT/pymc.json" 2>&1 \
+    | tee "$OUT/pymc_sample.log" || status=1
 fi
 # The training step on every GPU against hand-written JAX and DDP, under XLA flag variants, then
 # where the engine's step spends its host time (tools/probe_gpu_step.py)
