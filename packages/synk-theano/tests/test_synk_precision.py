@@ -24,6 +24,14 @@ from synkhronos import precision  # noqa: E402
 RTOL = 2e-2
 
 
+@pytest.fixture
+def jax32():
+    """JAX's 32-bit default for a test of JAX functions alone, whatever an earlier test of this pytest
+    process left (a CPU-mode fork turns ``jax_enable_x64`` on in the master under ``floatX=float64``)."""
+    with jax.enable_x64(False):
+        yield
+
+
 def products(closed):
     """Every dot_general/conv_general_dilated equation of a ClosedJaxpr, sub-jaxprs included."""
     def walk(jaxpr):
@@ -68,7 +76,7 @@ def _inputs():
     return rng.standard_normal((6, 5)).astype(np.float32), (rng.standard_normal((5, 5)) / 2).astype(np.float32)
 
 
-def test_bf16_transform_rewrites_every_float32_product():
+def test_bf16_transform_rewrites_every_float32_product(jax32):
     x, w = _inputs()
     f = precision.apply(structured, "bf16")
     closed = jax.make_jaxpr(lambda a, b: f(a, b, 3))(x, w)
@@ -91,7 +99,7 @@ def test_bf16_transform_rewrites_every_float32_product():
     assert int(got[2]) == int(want[2]) == 5
 
 
-def test_highest_transform_sets_the_precision_of_every_product():
+def test_highest_transform_sets_the_precision_of_every_product(jax32):
     x, w = _inputs()
     f = precision.apply(structured, "highest")
     found = products(jax.make_jaxpr(lambda a, b: f(a, b, 3))(x, w))
@@ -270,7 +278,7 @@ def _eqns(jaxpr):
                     yield from _eqns(sub)
 
 
-def test_bf16_computes_activations_in_bfloat16_and_keeps_state_float32():
+def test_bf16_computes_activations_in_bfloat16_and_keeps_state_float32(jax32):
     params, stats, x, labels = _cnn_state()
     closed = jax.make_jaxpr(precision.apply(_cnn_step, "bf16"))(params, stats, x, labels)
     eqns = list(_eqns(closed.jaxpr))
@@ -310,7 +318,7 @@ def test_bf16_computes_activations_in_bfloat16_and_keeps_state_float32():
     assert all(v.aval.dtype == np.float32 for v in closed.jaxpr.outvars)
 
 
-def test_bf16_trains_a_cnn_with_batch_norm():
+def test_bf16_trains_a_cnn_with_batch_norm(jax32):
     params, stats, x, labels = _cnn_state()
     bf16_step = jax.jit(precision.apply(_cnn_step, "bf16"))
     f32_step = jax.jit(_cnn_step)
