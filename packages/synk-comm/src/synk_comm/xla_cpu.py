@@ -2,8 +2,8 @@
 over a shared-memory segment of the group (``xla_cpu_all_reduce.cc``, compiled at first use).
 
 With it a data-parallel step -- gradient, all-reduce, update -- is one XLA program per rank: no
-second call, no all-reduce in Python between two (measured in ``benchmarks/RESULTS.md``,
-session 18).  It needs JAX and a C++ compiler (``c++``, C++17); without either
+second call, no all-reduce in Python between two (``python tools/probe_in_program_all_reduce.py``
+measures it).  It needs JAX and a C++ compiler (``c++``, C++17); without either
 :func:`available` is False and callers keep their other path.
 
 =============================  ==============================================================

@@ -215,7 +215,7 @@ def in_graph_all_reduce_pays(own_mode: bool = False) -> bool:
     the chain's, and one function saves a call and a barrier (``benchmarks/RESULTS.md``).  CPU
     mode's JAX backend runs the all-reduce inside the rank's XLA program, so the step is one JAX
     call (the main job: a median of 1.46x over one process against the chain's 1.37x,
-    ``benchmarks/RESULTS.md`` session 19); without that it compiles a graph with in-graph
+    ``benchmarks/RESULTS.md``, "The main job"); without that it compiles a graph with in-graph
     collectives in the default mode (see :meth:`synkhronos.device.Device.in_graph_collectives_pay`),
     which would cost the step JAX's speed, and the chain keeps both of its functions in JAX.  Under
     the JAX engine a function is one program over the

@@ -4,8 +4,7 @@ programs with the process's BLAS (numpy's OpenBLAS) instead of XLA's own CPU dot
 XLA's CPU dot is Eigen's.  On one core it runs the benchmark MLP's float32 products (2048 x 1024
 by 1024 x 1024) at 54-66 GFLOP/s where numpy's OpenBLAS (and torch) run them at 76-80, and a
 training step of large layers is mostly such products: one core's MLP step took 640-650 ms with
-XLA's dot and 505-520 ms with this one (development VM, AMD EPYC; ``benchmarks/RESULTS.md``,
-session 21).
+XLA's dot and 505-520 ms with this one (development VM, AMD EPYC; ``docs/guides/cpu.rst``).
 
 How
     :func:`jax_mode` is PyTensor's JAX mode plus one graph rewrite, :func:`use_blas_dot`, which

@@ -2,7 +2,7 @@
 // C = op(A) op(B) with the process's BLAS (the gemm of numpy's OpenBLAS, whose address Python
 // passes in), op being the identity or the transpose.  XLA's own CPU dot is Eigen's, about 20-30%
 // slower on one core than OpenBLAS for the large float32 products of a training step
-// (benchmarks/RESULTS.md, session 21).
+// (docs/guides/cpu.rst).
 //
 // A, B and C are row-major (XLA's default layout for a custom call's operands and result).
 // The gemm has the CBLAS signature with 64-bit integers (ILP64: numpy's OpenBLAS), or 32-bit
