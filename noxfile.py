@@ -74,9 +74,12 @@ PYTENSOR_SUITES = [ROOT / "packages" / "synk-theano" / "tests", ROOT / "packages
 """The suites whose code depends on PyTensor's version (graphs, rewrites, the JAX translation, the
 layers), run on every interpreter; synk_shm and synk_comm know nothing of PyTensor, and the process
 suites (reliability, multi-host, docs examples) test processes, not graphs."""
-PROCESS_MODULES = ["test_synk_lifecycle.py", "test_synk_errors.py", "test_synk_data.py", "test_synk_inflight.py"]
-"""Modules of :data:`PYTENSOR_SUITES` that test the group's processes, data and failures rather than
-graphs: the newest interpreter's pass alone runs them."""
+PROCESS_MODULES = [PYTENSOR_SUITES[0] / name for name in (
+    "test_synk_lifecycle.py", "test_synk_errors.py", "test_synk_data.py", "test_synk_inflight.py",
+    "test_synk_engine.py", "test_synk_examples.py")] + [PYTENSOR_SUITES[1] / "test_lasagne_engine.py"]
+"""Modules of :data:`PYTENSOR_SUITES` that test the group's processes, data and failures, or GPU
+mode's JAX engine (whose machines run the newest Python), rather than CPU mode's graphs: the newest
+interpreter's pass alone runs them."""
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
@@ -119,7 +122,7 @@ def tests(session: nox.Session) -> None:
         select = []
     else:
         paths = [str(p) for p in PYTENSOR_SUITES]
-        select = ["-m", "not job", *(f"--ignore={PYTENSOR_SUITES[0] / name}" for name in PROCESS_MODULES)]
+        select = ["-m", "not job", *(f"--ignore={path}" for path in PROCESS_MODULES)]
         env["SYNK_TEST_RANKS"] = "2"
     # the slowest tests in every CI log, to see where CI's time goes
     session.run("pytest", "--durations=25", *select, *paths, *session.posargs, env=env)
