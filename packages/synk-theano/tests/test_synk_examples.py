@@ -1,11 +1,13 @@
-"""The seed's examples run as scripts (in a process of their own, as a user runs them), and a script
-without a main guard that calls ``synk.fork()`` works: its workers never re-run it (in GPU mode too,
-under ``SYNK_TEST_GPU=1``)."""
+"""The seed's examples are in the docs, whose test runs them as scripts (in a process of their own, as a
+user runs them); a script without a main guard that calls ``synk.fork()`` works: its workers never
+re-run it (in GPU mode too, under ``SYNK_TEST_GPU=1``)."""
 
 from __future__ import annotations
 
 import os
+import re
 import textwrap
+from pathlib import Path
 
 import pytest
 from synk_testutil import EXAMPLES, SHM_DIR, TIMEOUT, USE_GPU, max_ranks, run_script
@@ -18,27 +20,19 @@ def entries_of_pid(pid: int) -> list[str]:
     return sorted(e for e in os.listdir(SHM_DIR) if f"-{pid}-" in e)
 
 
-EXPECTED = {
-    "introductory.py": ["2 ranks: synkhronos"],
-    # the numbers printed in the seed's documentation
-    "shared_variables.py": ["s after PyTensor call (master only): [10. 10.]", "gathered s: [[3. 3.] [7. 7.]]",
-                            "gathered s after reduce: [[10. 10.] [ 7. 7.]]", "all-reduce: [[10. 10.] [10. 10.]]"],
-    "data_interface.py": ["after set_length(8): (8, 2) alloc_size 32", "after free_memory: None allocated: False"],
-    "per_rank_values.py": ["lengths: [1, 2, 3]"],
-    "batch_vs_batch_s.py": ["batch_s slice(0, 2) -> [ 0. 2. 10. 12.]"],
-}
+SEED_EXAMPLES = ["introductory.py", "shared_variables.py", "data_interface.py", "per_rank_values.py",
+                 "batch_vs_batch_s.py"]
+"""The seed's examples: each is included in a page of the docs, whose test
+(``tests/test_docs_examples.py``) runs it as a user does and compares its output with the output the
+page documents (the seed's numbers), so they are not run a second time here."""
 
 
-@pytest.mark.job
-@pytest.mark.cpu_only("the seed's examples fork in CPU mode (use_gpu=False): they test nothing of GPU mode")
-@pytest.mark.parametrize("name", list(EXPECTED))
-def test_example_runs_and_passes_its_assertions(name):
-    result = run_script(os.path.join(EXAMPLES, name))
-    assert result.returncode == 0, f"{name} failed:\n{result.stdout}\n{result.stderr}"
-    assert "All assertions passed." in result.stdout
-    flat = " ".join(result.stdout.split())
-    for snippet in EXPECTED[name]:
-        assert snippet in flat, f"{snippet!r} not in the output of {name}:\n{result.stdout}"
+def test_every_seed_example_runs_with_the_docs():
+    pages = "\n".join(p.read_text() for p in Path(EXAMPLES).parent.joinpath("docs").rglob("*.rst"))
+    for name in SEED_EXAMPLES:
+        assert os.path.exists(os.path.join(EXAMPLES, name)), name
+        assert re.search(rf"^\.\. literalinclude:: [./]*examples/{re.escape(name)}$", pages, re.M), (
+            f"examples/{name} is in no page of docs/: include it (with its output) so that the docs tests run it")
 
 
 SCRIPT = """\
