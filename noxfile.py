@@ -2,8 +2,8 @@
 
     nox -s tests        every package's tests on Python 3.12, CPU mode, then the synkhronos and
                         reliability suites in GPU mode (the JAX engine) on JAX's CPU devices
-                        (SYNK_EMULATE_GPUS); on Python 3.11 the suites that depend on PyTensor's
-                        version (synk-theano, synk-lasagne)
+                        (SYNK_EMULATE_GPUS); on Python 3.11 the graph tests of synk-theano and
+                        synk-lasagne, whose code paths depend on PyTensor's version
     nox -s lint         ruff
     nox -s typecheck    mypy on the packages
     nox -s demo         the main job (see README)
@@ -68,18 +68,20 @@ def _add_pyenv_interpreters() -> None:
 _add_pyenv_interpreters()
 ONE_PYTHON = next((v for v in PYTHONS if _runs(v)), PYTHONS[0])
 """The interpreter of the sessions that run once (lint, typecheck, demo, docs, bench, reliability)."""
-NEWEST_PYTHON = next((v for v in reversed(PYTHONS) if _runs(v)), PYTHONS[-1])
-"""The interpreter of the whole test suite (the newest PyTensor); the others run :data:`PYTENSOR_SUITES`."""
-PYTENSOR_SUITES = [ROOT / "packages" / "synk-theano" / "tests", ROOT / "packages" / "synk-lasagne" / "tests"]
-"""The suites whose code depends on PyTensor's version (graphs, rewrites, the JAX translation, the
-layers), run on every interpreter; synk_shm and synk_comm know nothing of PyTensor, and the process
-suites (reliability, multi-host, docs examples) test processes, not graphs."""
-PROCESS_MODULES = [PYTENSOR_SUITES[0] / name for name in (
-    "test_synk_lifecycle.py", "test_synk_errors.py", "test_synk_data.py", "test_synk_inflight.py",
-    "test_synk_engine.py", "test_synk_examples.py")] + [PYTENSOR_SUITES[1] / "test_lasagne_engine.py"]
-"""Modules of :data:`PYTENSOR_SUITES` that test the group's processes, data and failures, or GPU
-mode's JAX engine (whose machines run the newest Python), rather than CPU mode's graphs: the newest
-interpreter's pass alone runs them."""
+PYTHONS_HERE = [v for v in PYTHONS if _runs(v)]
+NEWEST_PYTHON = PYTHONS_HERE[-1] if PYTHONS_HERE else PYTHONS[-1]
+"""The interpreter of the whole test suite (the newest PyTensor); the others run :data:`GRAPH_MODULES`."""
+GRAPH_MODULES = [ROOT / "packages" / "synk-theano" / "tests" / name for name in (
+    "test_synk_calls.py", "test_synk_ops.py", "test_synk_cpu.py", "test_synk_slicing.py", "test_synk_shared.py",
+    "test_synk_chain.py", "test_synk_blas.py", "test_synk_precision.py", "test_synk_gradient_rule.py")] + [
+    ROOT / "packages" / "synk-lasagne" / "tests" / name for name in (
+    "test_lasagne_ops.py", "test_lasagne_layers.py", "test_lasagne_api.py", "test_lasagne_updates.py",
+    "test_lasagne_parallel.py")]
+"""The modules whose code paths depend on PyTensor's version -- graphs, rewrites, gradients, the JAX
+translation, the layers and their Ops -- run on every interpreter.  synk_shm and synk_comm know
+nothing of PyTensor; the process, data and failure modules, GPU mode's engine (whose machines run
+the newest Python), the jobs, the reliability and multi-host suites test processes rather than
+graphs: the newest interpreter alone runs them."""
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
@@ -103,8 +105,10 @@ def tests(session: nox.Session) -> None:
     """Every package's tests on the newest interpreter (:data:`NEWEST_PYTHON`): CPU mode, GPU tests
     skip without 2 GPUs, the whole-job tests (marker ``job``) too, then the synkhronos and
     reliability suites again in GPU mode (the JAX engine) on JAX's CPU devices.  On the older
-    interpreter, the parts that differ by PyTensor version (:data:`PYTENSOR_SUITES`, without the
-    jobs, groups of 2 ranks only).  Arguments after ``--`` go to pytest, on every interpreter."""
+    interpreter, the parts that differ by PyTensor version (:data:`GRAPH_MODULES`, without the
+    jobs).  With both interpreters, the ``ranks`` fixtures fork groups of 2 on the newest and of 3
+    on the other (``SYNK_TEST_RANKS``), so that each group size runs once.  Arguments after ``--``
+    go to pytest, on every interpreter."""
     # the digits data (MNIST job test); JAX, CPU mode's default backend and GPU mode's engine
     # (synk-theano[cpu])
     # Byte-compiled at install, as pip does and uv does not by default: under
@@ -120,10 +124,11 @@ def tests(session: nox.Session) -> None:
         paths = [str(p / "tests") for p in PACKAGES if (p / "tests").exists()]
         paths += [str(ROOT / "tests")] if (ROOT / "tests").exists() else []
         select = []
+        if len(PYTHONS_HERE) > 1:  # the other interpreter's pass forks the groups of 3
+            env["SYNK_TEST_RANKS"] = "2"
     else:
-        paths = [str(p) for p in PYTENSOR_SUITES]
-        select = ["-m", "not job", *(f"--ignore={path}" for path in PROCESS_MODULES)]
-        env["SYNK_TEST_RANKS"] = "2"
+        paths, select = [str(p) for p in GRAPH_MODULES], ["-m", "not job"]
+        env["SYNK_TEST_RANKS"] = "3"  # the groups of 3 (uneven shares, more ranks than cores) run here
     # the slowest tests in every CI log, to see where CI's time goes
     session.run("pytest", "--durations=25", *select, *paths, *session.posargs, env=env)
     if newest and not session.posargs:
