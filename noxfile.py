@@ -66,9 +66,10 @@ def _add_pyenv_interpreters() -> None:
 
 
 _add_pyenv_interpreters()
-ONE_PYTHON = next((v for v in PYTHONS if _runs(v)), PYTHONS[0])
-"""The interpreter of the sessions that run once (lint, typecheck, demo, docs, bench, reliability)."""
 PYTHONS_HERE = [v for v in PYTHONS if _runs(v)]
+"""The supported interpreters this machine runs."""
+ONE_PYTHON = PYTHONS_HERE[0] if PYTHONS_HERE else PYTHONS[0]
+"""The interpreter of the sessions that run once (lint, typecheck, demo, docs, bench, reliability)."""
 NEWEST_PYTHON = PYTHONS_HERE[-1] if PYTHONS_HERE else PYTHONS[-1]
 """The interpreter of the whole test suite (the newest PyTensor); the others run :data:`GRAPH_MODULES`."""
 GRAPH_MODULES = [ROOT / "packages" / "synk-theano" / "tests" / name for name in (
