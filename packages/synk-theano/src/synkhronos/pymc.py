@@ -47,7 +47,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -90,6 +91,7 @@ def _rebuild(outputs: list[Any], replace: dict[Any, Any], rows: int, local_rows:
     """``outputs`` with the variables of ``replace`` replaced, every ``SpecifyShape`` dropped and
     every ``Alloc`` to ``rows`` rows made an ``Alloc`` to ``local_rows`` (PyMC's graphs hold the full
     data's shapes; a rank holds some of the rows)."""
+    from pytensor.compile.sharedvalue import SharedVariable
     from pytensor.graph.traversal import toposort
     from pytensor.tensor.basic import Alloc, get_underlying_scalar_constant_value
     from pytensor.tensor.exceptions import NotScalarConstantError
@@ -105,7 +107,9 @@ def _rebuild(outputs: list[Any], replace: dict[Any, Any], rows: int, local_rows:
             try:
                 first = int(get_underlying_scalar_constant_value(inputs[1]))
             except NotScalarConstantError:
-                first = -1
+                # a dimension's length (``pm.Model(coords=...)``: a shared scalar)
+                shared = node.inputs[1]
+                first = int(shared.get_value()) if isinstance(shared, SharedVariable) and shared.ndim == 0 else -1
             if first == rows:
                 inputs[1] = local_rows
         if all(a is b for a, b in zip(inputs, node.inputs)):
@@ -174,9 +178,13 @@ class _Split:
                 ph.name = p.name
         replace = dict(zip(row_roots, row_ph)) | {p: ph for p, ph in zip(params, param_ph) if ph is not p}
         local_terms = _rebuild(list(terms), replace, rows, row_ph[0].shape[0])
+        used = set(graph_inputs(local_terms))  # a dimension's length made a rank's rows is no parameter
+        params, param_ph = [p for p, ph in zip(params, param_ph) if ph in used], [ph for ph in param_ph if ph in used]
         self.params = params
         self.float_params = [i for i, p in enumerate(params) if p.type.dtype.startswith("float")]
         self._dry_run(model, rvs, row_roots, row_ph, params, param_ph, local_terms)
+        self.check_bounds = bool(model.check_bounds)
+        self._graph = (row_ph, param_ph, local_terms)
         total = pt.add(*(pt.sum(t, dtype="float64") for t in local_terms)) if len(local_terms) > 1 \
             else pt.sum(local_terms[0], dtype="float64")
         wrt = [param_ph[i] for i in self.float_params]
@@ -184,10 +192,11 @@ class _Split:
             if wrt else []
         # one output for the value, one flat vector for every gradient: two sums per call
         packed = [pt.concatenate([pt.cast(g, "float64").ravel() for g in grads])] if len(grads) else []
-        outs = self._without_checks(model, [total, *packed])
+        outs = _without_checks(self.check_bounds, [total, *packed])
         self.dtype = outs[0].type.dtype
         self.fn = synk.function(inputs=row_ph, bcast_inputs=param_ph,
                                 outputs=[(o, "sum") for o in outs], name=f"pymc_likelihood_{'_'.join(self.names)}")
+        self._batched: dict[int, _Batched] = {}
         self.row_data = [synk.data(np.asarray(v.get_value(borrow=True) if isinstance(v, SharedVariable)
                                               else v.data), var=ph) for v, ph in zip(row_roots, row_ph)]
         self.param_data: list[Any] = [None] * len(params)
@@ -247,22 +256,12 @@ class _Split:
                 raise SplitError(f"likelihood term {_rv_name(rv)} is not a sum over rows of independent "
                                  f"observations: {why}; data_parallel cannot split it")
 
-    @staticmethod
-    def _without_checks(model: Any, outs: list[Any]) -> list[Any]:
-        """PyMC's parameter checks as PyMC compiles them: ``-inf`` where a check fails (or removed,
-        ``check_bounds=False``), so that every rank's backend can compile the graph."""
-        from pymc.logprob.utils import local_check_parameter_to_ninf_switch, local_remove_check_parameter
-        from pytensor.graph.fg import FunctionGraph
-        from pytensor.graph.rewriting.basic import in2out
-
-        rewrite = local_check_parameter_to_ninf_switch if model.check_bounds else local_remove_check_parameter
-        fgraph = FunctionGraph(outputs=outs, clone=False)
-        in2out(rewrite).rewrite(fgraph)
-        return list(fgraph.outputs)
-
     def __call__(self, values: Sequence[Any], with_grad: bool) -> list[Any]:
         import synkhronos as synk
 
+        batcher = getattr(_LOCAL, "batcher", None)
+        if batcher is not None:  # a chain's thread: evaluated with the other chains' points, in one call
+            return batcher.evaluate(_LOCAL.slot, self, values, with_grad)
         data = self.param_data
         for i, v in enumerate(values):
             d = data[i]
@@ -276,12 +275,128 @@ class _Split:
             out = self.fn(*self.row_data, *data, output_subset=self.value_only)
             return out if isinstance(out, list) else [out]
         value, flat = self.fn(*self.row_data, *data)
+        return [value, *self._unpack(values, flat)]
+
+    def _unpack(self, values: Sequence[Any], flat: np.ndarray) -> list[np.ndarray]:
         grads, start = [], 0
         for i in self.float_params:
             size = int(np.size(values[i]))
             grads.append(flat[start:start + size].reshape(np.shape(values[i])))
             start += size
-        return [value, *grads]
+        return grads
+
+    def batched(self, width: int) -> _Batched:
+        """The likelihood of ``width`` parameter points in one call (made on first use)."""
+        found = self._batched.get(width)
+        if found is None:
+            found = self._batched[width] = _Batched(self, width)
+        return found
+
+    def evaluate_many(self, points: dict[int, Sequence[Any]], width: int, with_grad: bool) -> dict[int, list[Any]]:
+        """The value (and gradients) at each point of ``points`` (by slot, slots below ``width``), in
+        one call of the batched likelihood."""
+        return self.batched(width)(points, with_grad)
+
+    def free(self) -> None:
+        for d in [*self.row_data, *self.param_data, *(d for b in self._batched.values() for d in b.param_data)]:
+            if d is not None:
+                try:
+                    d.free_memory()
+                except Exception as exc:  # a group that broke while the block ran
+                    _log.debug("data_parallel: freeing %r: %r", d, exc)
+
+
+def _without_checks(check_bounds: bool, outs: list[Any]) -> list[Any]:
+    """PyMC's parameter checks as PyMC compiles them: ``-inf`` where a check fails (or removed,
+    ``check_bounds=False``), so that every rank's backend can compile the graph."""
+    from pymc.logprob.utils import local_check_parameter_to_ninf_switch, local_remove_check_parameter
+    from pytensor.graph.fg import FunctionGraph
+    from pytensor.graph.rewriting.basic import in2out
+
+    rewrite = local_check_parameter_to_ninf_switch if check_bounds else local_remove_check_parameter
+    fgraph = FunctionGraph(outputs=outs, clone=False)
+    in2out(rewrite).rewrite(fgraph)
+    return list(fgraph.outputs)
+
+
+class _Batched:
+    """A :class:`_Split`'s likelihood at ``width`` parameter points in one call: every parameter
+    takes a leading axis of ``width`` (one slot per chain), the per-row terms are the same graph
+    vectorised over it (``pytensor.graph.replace.vectorize_graph``: the rows are read once for all
+    points, a matrix-vector product becomes a matrix-matrix one), the outputs are the ``width``
+    values and the ``width`` packed gradients, reduced with ``sum`` over the ranks.  Slot ``s``'s
+    results depend on slot ``s``'s point alone (the gradient of the sum of the values by slot
+    ``s``'s parameters is that slot's gradient); slots without a point take another slot's point."""
+
+    def __init__(self, split: _Split, width: int) -> None:
+        import pytensor
+        import pytensor.tensor as pt
+
+        import synkhronos as synk
+
+        self.split = split
+        self.width = width
+        row_ph, param_ph, local_terms = split._graph
+        batched_ph = [pt.tensor(dtype=p.type.dtype, shape=(width, *p.type.shape), name=f"{p.name or 'param'}_chains")
+                      for p in param_ph]
+        terms = self._vectorised(local_terms, param_ph, batched_ph, width)
+        values = pt.add(*terms) if len(terms) > 1 else terms[0]
+        wrt = [batched_ph[i] for i in split.float_params]
+        grads: Any = pytensor.grad(values.sum(), wrt, disconnected_inputs="ignore", return_disconnected="zero") \
+            if wrt else []
+        packed = [pt.concatenate([pt.cast(g, "float64").reshape((width, -1)) for g in grads], axis=1)] \
+            if len(grads) else []
+        outs = _without_checks(split.check_bounds, [values, *packed])
+        self.fn = synk.function(inputs=row_ph, bcast_inputs=batched_ph, outputs=[(o, "sum") for o in outs],
+                                name=f"pymc_likelihood_{'_'.join(split.names)}_x{width}")
+        self.param_data: list[Any] = [None] * len(param_ph)
+
+    @staticmethod
+    def _vectorised(local_terms: list[Any], param_ph: list[Any], batched_ph: list[Any], width: int) -> list[Any]:
+        """Each term's per-point sum, shape ``(width,)``: the terms vectorised over the parameters'
+        leading axis, or, where PyTensor cannot vectorise an operation, ``width`` copies of them."""
+        import pytensor.tensor as pt
+        from pytensor.graph.replace import graph_replace, vectorize_graph
+
+        def per_point(t: Any, term: Any) -> Any:
+            if t.ndim == term.ndim:  # a term that reads no parameter: the same at every point
+                return pt.alloc(pt.sum(t, dtype="float64"), width)
+            return pt.sum(t, axis=tuple(range(1, t.ndim)), dtype="float64")
+
+        try:
+            vectorised = vectorize_graph(list(local_terms), replace=dict(zip(param_ph, batched_ph)))
+            return [per_point(t, term) for t, term in zip(vectorised, local_terms)]
+        except NotImplementedError as exc:
+            _log.info("data_parallel: likelihood not vectorised over chains (%s): one copy per chain in the call", exc)
+        copies = [graph_replace(list(local_terms), {p: b[c] for p, b in zip(param_ph, batched_ph)}, strict=False)
+                  for c in range(width)]
+        return [pt.stack([pt.sum(copy[j], dtype="float64") for copy in copies]) for j in range(len(local_terms))]
+
+    def __call__(self, points: dict[int, Sequence[Any]], with_grad: bool) -> dict[int, list[Any]]:
+        import synkhronos as synk
+
+        split = self.split
+        first = points[min(points)]
+        for i, p in enumerate(split.params):
+            shape = (self.width, *np.shape(first[i]))
+            d = self.param_data[i]
+            if d is None or d.shape != shape:
+                if d is not None:
+                    d.free_memory()
+                d = self.param_data[i] = synk.data(np.zeros(shape, dtype=p.type.dtype))
+            arr = d.data
+            for slot in range(self.width):
+                arr[slot] = points.get(slot, first)[i]
+        data = self.param_data
+        if not split.float_params:
+            values = self.fn(*split.row_data, *data)
+            return {slot: [values[slot]] for slot in points}
+        if not with_grad:
+            out = self.fn(*split.row_data, *data, output_subset=[0])
+            values = out[0] if isinstance(out, list) else out
+            return {slot: [values[slot]] for slot in points}
+        values, flat = self.fn(*split.row_data, *data)
+        return {slot: [values[slot], *split._unpack(points[slot], flat[slot])] for slot in points}
 
 
 def _op_class() -> type:
@@ -443,12 +558,175 @@ class _Hook:
         for split_id in self.splits.values():
             split = _SPLITS.pop(split_id, None)
             if split is not None:
-                for d in [*split.row_data, *split.param_data]:
-                    if d is not None:
-                        try:
-                            d.free_memory()
-                        except Exception as exc:  # a group that broke while the block ran
-                            _log.debug("data_parallel: freeing %r: %r", d, exc)
+                split.free()
+
+
+_LOCAL = threading.local()
+"""A chain's thread: ``batcher`` (its :class:`_Batcher`) and ``slot`` (its slot in the batched calls)."""
+
+
+class _Stopped(RuntimeError):
+    """Raised in a chain's thread at its next evaluation once another chain (or the group) failed."""
+
+
+class _Request:
+    __slots__ = ("done", "result", "split", "stopped", "values", "with_grad")
+
+    def __init__(self, split: _Split, values: Sequence[Any], with_grad: bool) -> None:
+        self.split, self.values, self.with_grad = split, values, with_grad
+        self.result: list[Any] = []
+        self.done = self.stopped = False
+
+
+class _Batcher:
+    """Runs tasks (chains) in threads of this process, one slot each, and evaluates their split
+    likelihoods together: a chain's evaluation waits until every running chain waits for one, then
+    this (the calling) thread evaluates them in one call per split (:meth:`_Split.evaluate_many`)
+    and hands each chain its results.  Which evaluations go together depends on the chains alone
+    (each batch holds the next evaluation of every running chain), never on the threads' timing;
+    the group is called from this thread only."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.cond = threading.Condition()
+        self.waiting: dict[int, _Request] = {}
+        self.live: set[int] = set()
+        self.error: BaseException | None = None
+        self.calls = 0
+
+    def evaluate(self, slot: int, split: _Split, values: Sequence[Any], with_grad: bool) -> list[Any]:
+        """In a chain's thread: ``split``'s results at ``values``, evaluated with the other chains'."""
+        request = _Request(split, [np.array(v, copy=True) for v in values], with_grad)
+        with self.cond:
+            if self.error is not None:
+                raise _Stopped("another chain failed")
+            self.waiting[slot] = request
+            self.cond.notify_all()
+            while not request.done:
+                self.cond.wait()
+        if request.stopped:
+            raise _Stopped("another chain failed")
+        return request.result
+
+    def run(self, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run ``tasks[s]`` in slot ``s``'s thread, all at once; their results, or the first error
+        (raised here once every thread has ended: the others stop at their next evaluation)."""
+        if len(tasks) > self.slots:
+            raise ValueError(f"{len(tasks)} tasks for {self.slots} slots")
+        results: list[Any] = [None] * len(tasks)
+
+        def body(slot: int) -> None:
+            _LOCAL.batcher, _LOCAL.slot = self, slot
+            try:
+                results[slot] = tasks[slot]()
+            except BaseException as exc:  # handed to the calling thread
+                if not isinstance(exc, _Stopped):
+                    self._stop(exc)
+            finally:
+                with self.cond:
+                    self.live.discard(slot)
+                    self.cond.notify_all()
+
+        self.live = set(range(len(tasks)))
+        threads = [threading.Thread(target=body, args=(slot,), name=f"synk-pymc-chain-{slot}", daemon=True)
+                   for slot in range(len(tasks))]
+        for t in threads:
+            t.start()
+        try:
+            self._serve()
+        except BaseException as exc:  # KeyboardInterrupt here: stop the chains
+            self._stop(exc)
+        finally:
+            for t in threads:
+                t.join()
+        if self.error is not None:
+            raise self.error
+        return results
+
+    def _stop(self, exc: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = exc
+            for request in self.waiting.values():
+                request.stopped = request.done = True
+            self.waiting.clear()
+            self.cond.notify_all()
+
+    def _serve(self) -> None:
+        while True:
+            with self.cond:
+                while self.live and self.error is None and len(self.waiting) < len(self.live):
+                    self.cond.wait()
+                if self.error is not None or not self.live:
+                    return
+                batch, self.waiting = self.waiting, {}
+            by_split: dict[int, dict[int, _Request]] = {}
+            for slot, request in batch.items():
+                by_split.setdefault(id(request.split), {})[slot] = request
+            try:
+                for requests in by_split.values():
+                    split = next(iter(requests.values())).split
+                    with_grad = any(r.with_grad for r in requests.values())
+                    out = split.evaluate_many({s: r.values for s, r in requests.items()}, self.slots, with_grad)
+                    for slot, request in requests.items():
+                        request.result = out[slot] if with_grad == request.with_grad else out[slot][:1]
+                self.calls += 1
+            except BaseException as exc:  # the chains stop, run() raises it
+                with self.cond:
+                    self.waiting.update(batch)
+                self._stop(exc)
+                return
+            with self.cond:
+                for request in batch.values():
+                    request.done = True
+                self.cond.notify_all()
+
+
+def _batched_mp_sample(*, draws: int, tune: int, step: Any, chains: int, cores: int, rngs: Sequence[Any],
+                       start: Sequence[Any], traces: Sequence[Any], progressbar: Any = True,
+                       progressbar_theme: Any = None, model: Any = None, callback: Any = None,
+                       **kwargs: Any) -> None:
+    """``pm.sample``'s multi-chain sampling inside the block, in place of its chain processes:
+    ``min(cores, chains)`` chains at a time, each in a thread of this process with its own copy of
+    the step method (as PyMC's processes have: pickled and loaded), each chain PyMC's own
+    ``_sample``; their likelihood evaluations go to the ranks batched (:class:`_Batcher`).  Slot
+    ``s`` runs chains ``s``, ``s + slots``, ..."""
+    import cloudpickle
+    from pymc.sampling import mcmc
+
+    kwargs.pop("blas_cores", None)
+    kwargs.pop("mp_ctx", None)
+    slots = min(cores, chains)
+    initial_state = step.sampling_state
+    blob = cloudpickle.dumps(step, protocol=-1)
+    steps = [step, *(cloudpickle.loads(blob) for _ in range(slots - 1))]
+    lock = threading.Lock()
+
+    def one_at_a_time(**kw: Any) -> Any:
+        with lock:
+            return callback(**kw)
+
+    progress = mcmc.MCMCProgressBarManager(step_method=step, chains=chains, draws=draws - tune, tune=tune,
+                                           progressbar=progressbar, progressbar_theme=progressbar_theme)
+
+    def slot_task(slot: int) -> Callable[[], None]:
+        def run() -> None:
+            for chain in range(slot, chains, slots):
+                steps[slot].sampling_state = initial_state
+                mcmc._sample(draws=draws, chain=chain, start=start[chain], step=steps[slot], trace=traces[chain],
+                             rng=rngs[chain], tune=tune, model=model, progress_manager=progress,
+                             callback=None if callback is None else one_at_a_time, **kwargs)
+        return run
+
+    _log.info("data_parallel: %d chains, %d at a time in this process, their evaluations batched", chains, slots)
+    batcher = _Batcher(slots)
+    try:
+        with progress:
+            batcher.run([slot_task(s) for s in range(slots)])
+    finally:
+        for trace in traces:
+            trace.close()
+    _log.info("data_parallel: %d batched calls", batcher.calls)
 
 
 @contextmanager
@@ -490,26 +768,26 @@ def data_parallel(model: Any) -> Iterator[Any]:
         raise RuntimeError("synkhronos.pymc.data_parallel() is for the master process")
     if "logp" in vars(model):
         raise RuntimeError("data_parallel blocks of one model cannot nest")
+    from pymc.sampling import mcmc
+
     hook = _Hook(model)
-    original_sample = pymc.sample
+    original_sample, original_mp_sample = pymc.sample, mcmc._mp_sample
 
     def sample(*args: Any, **kwargs: Any) -> Any:
-        sampler = kwargs.get("nuts_sampler", "pymc")
-        if sampler != "pymc":
+        sampler = kwargs.get("nuts_sampler")
+        if sampler not in (None, "pymc"):
             raise ValueError(f"nuts_sampler={sampler!r} compiles the model its own way: inside "
                              "synkhronos.pymc.data_parallel use PyMC's NUTS (nuts_sampler='pymc')")
-        cores = kwargs.get("cores")
-        if cores not in (None, 1):
-            _log.info("data_parallel: cores=%s ignored: chains run one after another here, every evaluation on "
-                      "all ranks", cores)
-        kwargs["cores"] = 1
+        kwargs["nuts_sampler"] = "pymc"  # never nutpie by default here
         return original_sample(*args, **kwargs)
 
     model.logp = hook.logp
     pymc.sample = sample
+    mcmc._mp_sample = _batched_mp_sample
     try:
         yield model
     finally:
         pymc.sample = original_sample
+        mcmc._mp_sample = original_mp_sample
         vars(model).pop("logp", None)
         hook.close()
