@@ -53,6 +53,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
 
 from synkhronos.errors import SplitError
 
@@ -399,75 +401,74 @@ class _Batched:
         return {slot: [values[slot], *split._unpack(points[slot], flat[slot])] for slot in points}
 
 
-def _op_class() -> type:
-    """The graph node of a split likelihood (made on first use: PyTensor is imported lazily)."""
-    global _OP
-    if _OP is not None:
-        return _OP
-    import pytensor.tensor as pt
-    from pytensor.gradient import DisconnectedType
-    from pytensor.graph.basic import Apply
-    from pytensor.graph.op import Op
+class SplitLikelihood(Op):
+    """The graph node of a split likelihood.  Outputs: the summed log-likelihood of a
+    :class:`_Split`, then (``with_grad``) its gradient by each float parameter.  Inputs: the
+    parameters.  A class of the module (not of a function) so that a step method holding it
+    pickles by reference: the chains' copies of ``pm.sample``'s step method share the split."""
 
-    class SplitLikelihood(Op):
-        """Outputs: the summed log-likelihood of a :class:`_Split`, then (``with_grad``) its
-        gradient by each float parameter.  Inputs: the parameters."""
+    __props__ = ("split_id", "with_grad")
 
-        __props__ = ("split_id", "with_grad")
+    def __init__(self, split_id: int, with_grad: bool = True) -> None:
+        self.split_id = split_id
+        self.with_grad = with_grad
 
-        def __init__(self, split_id: int, with_grad: bool = True) -> None:
-            self.split_id = split_id
-            self.with_grad = with_grad
+    def make_node(self, *params: Any) -> Apply:
+        import pytensor.tensor as pt
 
-        def make_node(self, *params: Any) -> Apply:
-            split = _SPLITS[self.split_id]
-            inputs = [pt.as_tensor_variable(p) for p in params]
-            outputs = [pt.scalar(dtype=split.dtype)]
-            if self.with_grad:
-                outputs += [inputs[i].type() for i in split.float_params]
-            return Apply(self, inputs, outputs)
+        split = _SPLITS[self.split_id]
+        inputs = [pt.as_tensor_variable(p) for p in params]
+        outputs = [pt.scalar(dtype=split.dtype)]
+        if self.with_grad:
+            outputs += [inputs[i].type() for i in split.float_params]
+        return Apply(self, inputs, outputs)
 
-        def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
-            split = _SPLITS.get(self.split_id)
-            if split is None:
-                raise RuntimeError(f"likelihood split {self.split_id} is gone: its data_parallel block has ended "
-                                   "(a function compiled inside the block runs only inside it)")
-            if os.getpid() != split.pid:
-                raise RuntimeError("a function compiled inside synkhronos.pymc.data_parallel ran in another process "
-                                   "(a chain process of pm.sample?): it runs in the process that forked the ranks; "
-                                   "sample with cores=1")
-            res = split(inputs, self.with_grad)
-            for storage, value, var in zip(output_storage, res, node.outputs):
-                storage[0] = np.asarray(value, dtype=var.type.dtype).reshape(var.type.shape if all(
-                    s is not None for s in var.type.shape) else np.shape(value))
+    def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        split = _SPLITS.get(self.split_id)
+        if split is None:
+            raise RuntimeError(f"likelihood split {self.split_id} is gone: its data_parallel block has ended "
+                               "(a function compiled inside the block runs only inside it)")
+        if os.getpid() != split.pid:
+            raise RuntimeError("a function compiled inside synkhronos.pymc.data_parallel ran in another process: "
+                               "it runs in the process that forked the ranks")
+        res = split(inputs, self.with_grad)
+        for storage, value, var in zip(output_storage, res, node.outputs):
+            storage[0] = np.asarray(value, dtype=var.type.dtype).reshape(var.type.shape if all(
+                s is not None for s in var.type.shape) else np.shape(value))
 
-        def pullback(self, inputs: Any, outputs: Any, output_grads: Any) -> list[Any]:
-            if any(not isinstance(g.type, DisconnectedType) for g in output_grads[1:]):
-                raise SplitError("second derivatives of a likelihood split by data_parallel are not supported "
-                                 "(compile_d2logp, Hessians): compile them outside the block")
-            split = _SPLITS[self.split_id]
-            grads_of = outputs if self.with_grad else SplitLikelihood(self.split_id, True).make_node(*inputs).outputs
-            g = output_grads[0]
-            result: list[Any] = []
-            j = 1
-            for i, inp in enumerate(inputs):
-                if i in split.float_params:
-                    result.append(g * grads_of[j])
-                    j += 1
-                else:
-                    result.append(inp.zeros_like(dtype=g.dtype))
-            return result
+    def pullback(self, inputs: Any, outputs: Any, output_grads: Any) -> list[Any]:
+        from pytensor.gradient import DisconnectedType
 
-        def connection_pattern(self, node: Any) -> list[list[bool]]:
-            return [[True] * len(node.outputs) for _ in node.inputs]
+        if any(not isinstance(g.type, DisconnectedType) for g in output_grads[1:]):
+            raise SplitError("second derivatives of a likelihood split by data_parallel are not supported "
+                             "(compile_d2logp, Hessians): compile them outside the block")
+        split = _SPLITS[self.split_id]
+        grads_of = outputs if self.with_grad else SplitLikelihood(self.split_id, True).make_node(*inputs).outputs
+        g = output_grads[0]
+        result: list[Any] = []
+        j = 1
+        for i, inp in enumerate(inputs):
+            if i in split.float_params:
+                result.append(g * grads_of[j])
+                j += 1
+            else:
+                result.append(inp.zeros_like(dtype=g.dtype))
+        return result
 
-    _OP = SplitLikelihood
-    _register_rewrite(SplitLikelihood)
-    _register_numba(SplitLikelihood)
-    return _OP
+    def connection_pattern(self, node: Any) -> list[list[bool]]:
+        return [[True] * len(node.outputs) for _ in node.inputs]
 
 
-_OP: type | None = None
+_REGISTERED: list[bool] = []
+
+
+def _op_class() -> type[SplitLikelihood]:
+    """:class:`SplitLikelihood`, its rewrite and its Numba fallback registered on first use."""
+    if not _REGISTERED:
+        _register_rewrite(SplitLikelihood)
+        _register_numba(SplitLikelihood)
+        _REGISTERED.append(True)
+    return SplitLikelihood
 
 
 def _register_numba(op_class: type) -> None:
