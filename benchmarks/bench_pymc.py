@@ -1,29 +1,35 @@
-"""A PyMC logistic regression sampled with NUTS: Synkhronos (the likelihood split over ranks) against
-PyMC's default sampler, side by side in one run, each sampler in a fresh interpreter.
+"""A PyMC logistic regression sampled with NUTS: Synkhronos (the likelihood split over ranks, the
+chains' evaluations batched) against PyMC's default sampler and the JAX/Rust samplers, side by side
+in one run, each sampler in a fresh interpreter with a time limit of its own.
 
 The model: ``rows`` rows of ``features`` standard-normal features, 0/1 outcomes, an intercept with
-a Normal(0, 2) prior and coefficients with Normal(0, 1) priors.  Samplers (``--samplers``):
+a Normal(0, 2) prior and coefficients with Normal(0, 1) priors.  Samplers (``--samplers``, in
+that order):
 
 ``synk``
-    ``synkhronos.pymc.data_parallel(model)`` over ``--ranks`` CPU ranks, PyMC's NUTS, the chains
-    one after another (every evaluation on every rank).
+    ``synkhronos.pymc.data_parallel(model)`` over ``--ranks`` CPU ranks, PyMC's NUTS; the chains run
+    at once in the master, each evaluation of all of them in one call into the ranks
+    (``cores=chains``).
+``synk-seq``
+    The same with ``cores=1``: the chains one after another, every evaluation on every rank.
 ``pymc``
     ``pm.sample`` as a user runs it: PyMC's NUTS, its default compile mode, its default chain
     processes (``cores=min(4, cpu_count)``).
-``nutpie``, ``numpyro``
-    ``pm.sample(nuts_sampler=...)`` on the CPU, when the package is importable (else the row says
-    "not installed").
+``numpyro``, ``nutpie``
+    ``pm.sample(nuts_sampler=...)`` on the CPU (numpyro: one XLA host device per chain, its chains
+    in parallel), when the package is importable (else the row says "not installed").
 
-Each row: wall seconds of ``pm.sample`` (compilation included) and of the sampling alone where
-the sampler reports it, the smallest bulk effective sample size over the parameters, and ESS per
-wall second.  A markdown table goes to stdout; ``--json PATH`` writes the rows too.
+Each row is printed as soon as its sampler finishes: wall seconds of ``pm.sample`` (compilation
+included; for synk, ``synk.fork`` is the setup column), seconds of the sampling alone where the
+sampler reports them, the smallest bulk effective sample size over the parameters (arviz), and ESS
+per wall second.  ``--json PATH`` writes the rows too.
 
 Usage (repository root, the packages and PyMC importable)::
 
-    python benchmarks/bench_pymc.py --rows 20000 --draws 200 --tune 200 --chains 1 --ranks 2
-    python benchmarks/bench_pymc.py --rows 1000000 --draws 1000 --tune 1000 --chains 4 --ranks 16 \\
-        --samplers synk,pymc,nutpie,numpyro
-    python benchmarks/bench_pymc.py --evals --rows 100000 --ranks 2     # microseconds per evaluation
+    python benchmarks/bench_pymc.py --rows 100000 --draws 100 --tune 100 --chains 1 --ranks 2 --samplers synk,pymc
+    python benchmarks/bench_pymc.py --rows 1000000 --draws 200 --tune 200 --chains 4 --ranks 16 \\
+        --samplers synk,pymc,numpyro,nutpie --timeout 200
+    python benchmarks/bench_pymc.py --evals --rows 100000 --ranks 2     # milliseconds per evaluation
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
 
 def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -50,92 +57,121 @@ def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.n
     return x, (rng.random(rows) < p).astype("int64")
 
 
+def make_model(rows: int, features: int) -> Any:
+    import pymc as pm
+
+    x, y = make_data(rows, features)
+    with pm.Model() as model:
+        intercept = pm.Normal("intercept", 0, 2)
+        beta = pm.Normal("beta", 0, 1, shape=features)
+        pm.Bernoulli("y", logit_p=intercept + x @ beta, observed=y)
+    return model
+
+
 def run_one(sampler: str, args: argparse.Namespace) -> dict[str, Any]:
     """Sample with one sampler in this process; returns its row."""
     import arviz as az
     import pymc as pm
 
-    x, y = make_data(args.rows, args.features)
-    with pm.Model() as model:
-        intercept = pm.Normal("intercept", 0, 2)
-        beta = pm.Normal("beta", 0, 1, shape=args.features)
-        pm.Bernoulli("y", logit_p=intercept + x @ beta, observed=y)
+    model = make_model(args.rows, args.features)
     kwargs: dict[str, Any] = dict(draws=args.draws, tune=args.tune, chains=args.chains, random_seed=1,
                                   progressbar=False, compute_convergence_checks=False, model=model)
     row: dict[str, Any] = {"sampler": sampler}
-    if sampler == "synk":
+    setup = None
+    if sampler in ("synk", "synk-seq"):
         import synkhronos as synk
         from synkhronos.pymc import data_parallel
 
+        start = time.perf_counter()
         synk.fork(args.ranks, use_gpu=False)
+        setup = time.perf_counter() - start
+        kwargs["cores"] = args.chains if sampler == "synk" else 1
         start = time.perf_counter()
         with data_parallel(model):
             idata = pm.sample(**kwargs)
         wall = time.perf_counter() - start
         synk.close()
-        row["sampler"] = f"synk, {args.ranks} ranks, chains in turn"
+        row["sampler"] = (f"synk, {args.ranks} ranks, " + (f"{args.chains} chains batched" if sampler == "synk"
+                                                            else "chains in turn"))
     else:
         if sampler != "pymc":
             try:
                 __import__(sampler)
             except ImportError:
                 return {"sampler": sampler, "skipped": "not installed"}
-            kwargs["nuts_sampler"] = sampler
+        kwargs["nuts_sampler"] = sampler
         start = time.perf_counter()
         idata = pm.sample(**kwargs)
         wall = time.perf_counter() - start
         if sampler == "pymc":
             procs = min(4, os.cpu_count() or 1, args.chains)
             row["sampler"] = f"pymc default ({procs} chain process{'es' if procs > 1 else ''})"
+        else:
+            row["sampler"] = f"{sampler} (CPU)"
     sampling = idata.sample_stats.attrs.get("sampling_time")
     ess = az.ess(idata, method="bulk")
     min_ess = float(min(float(ess[v].min()) for v in ("intercept", "beta")))
-    row.update(wall_s=wall, sampling_s=None if sampling is None else float(sampling), min_ess=min_ess,
-               ess_per_s=min_ess / wall)
+    row.update(wall_s=wall, setup_s=setup, sampling_s=None if sampling is None else float(sampling),
+               min_ess=min_ess, ess_per_s=min_ess / wall)
     return row
 
 
 def per_evaluation(args: argparse.Namespace) -> None:
-    """Microseconds per evaluation of the log-probability and its gradient (``logp_dlogp_function``,
-    what NUTS calls): PyMC's own function, the split one at ``rows`` rows, and the split one at one
-    row per rank (the call path: master to ranks and back, with almost no rows to compute)."""
-    import pymc as pm
-
+    """Milliseconds per evaluation of the log-probability and its gradient (``logp_dlogp_function``,
+    what NUTS calls): PyMC's own function, the split one at ``rows`` rows, the split one for
+    ``--batch`` chains at once (``--batch`` threads, one call into the ranks for all of them, as
+    ``pm.sample`` runs its chains inside the block; per call and per chain's evaluation), and the
+    split one at one row per rank (the call path: master to ranks and back, with almost no rows)."""
     import synkhronos as synk
-    from synkhronos.pymc import data_parallel
-
-    def model_of(rows: int) -> Any:
-        x, y = make_data(rows, args.features)
-        with pm.Model() as model:
-            intercept = pm.Normal("intercept", 0, 2)
-            beta = pm.Normal("beta", 0, 1, shape=args.features)
-            pm.Bernoulli("y", logit_p=intercept + x @ beta, observed=y)
-        return model
+    from synkhronos.pymc import _Batcher, data_parallel
 
     def timed(fn: Any, q: np.ndarray, calls: int) -> float:
         fn(q)
         start = time.perf_counter()
         for _ in range(calls):
             fn(q)
-        return (time.perf_counter() - start) / calls * 1e6
+        return (time.perf_counter() - start) / calls * 1e3
 
+    def timed_batched(model: Any, q: np.ndarray, calls: int, k: int) -> float:
+        fns = [model.logp_dlogp_function(ravel_inputs=True) for _ in range(k)]
+        points = [q + 0.01 * i for i in range(k)]
+        _Batcher(k).run([lambda f=f, p=p: f(p) for f, p in zip(fns, points)])  # compiles the batched call
+        start = time.perf_counter()
+        _Batcher(k).run([lambda f=f, p=p: [f(p) for _ in range(calls)] for f, p in zip(fns, points)])
+        return (time.perf_counter() - start) / calls * 1e3
+
+    print(f"logp and gradient, {args.rows} rows x {args.features} features, float64; {platform.node()}, "
+          f"{os.cpu_count()} CPUs; {args.calls} calls each\n", flush=True)
+    print("| evaluation | ms per call |", flush=True)
+    print("|---|---|", flush=True)
     q = np.full(args.features + 1, 0.01)
-    model = model_of(args.rows)
+    model = make_model(args.rows, args.features)
     plain = timed(model.logp_dlogp_function(ravel_inputs=True), q, args.calls)
+    print(f"| PyMC's own (default mode), one process | {plain:.2f} |", flush=True)
     synk.fork(args.ranks, use_gpu=False)
     with data_parallel(model):
         split = timed(model.logp_dlogp_function(ravel_inputs=True), q, args.calls)
-    tiny = model_of(args.ranks)
+        print(f"| synk, {args.ranks} ranks | {split:.2f} |", flush=True)
+        if args.batch > 1:
+            batched = timed_batched(model, q, args.calls, args.batch)
+            print(f"| synk, {args.ranks} ranks, {args.batch} chains in one call (per call) | {batched:.2f} |",
+                  flush=True)
+            print(f"| the same, per chain's evaluation | {batched / args.batch:.2f} |", flush=True)
+    tiny = make_model(args.ranks, args.features)
     with data_parallel(tiny):
         floor = timed(tiny.logp_dlogp_function(ravel_inputs=True), q, args.calls)
+    print(f"| synk, {args.ranks} ranks, one row per rank (the call path) | {floor:.2f} |", flush=True)
     synk.close()
-    print(f"logp and gradient, {args.rows} rows x {args.features} features; {platform.node()}, "
-          f"{os.cpu_count()} CPUs\n")
-    print("| evaluation | us per call |")
-    print("|---|---|")
-    print(f"| PyMC's own (default mode), one process | {plain:.0f} |")
-    print(f"| synk, {args.ranks} ranks | {split:.0f} |")
-    print(f"| synk, {args.ranks} ranks, one row per rank (the call path) | {floor:.0f} |")
+
+
+def print_row(r: dict[str, Any]) -> None:
+    if "skipped" in r:
+        print(f"| {r['sampler']} | {r['skipped']} | | | | |", flush=True)
+        return
+    sampling = "" if r["sampling_s"] is None else f"{r['sampling_s']:.1f}"
+    setup = "" if r.get("setup_s") is None else f"{r['setup_s']:.1f}"
+    print(f"| {r['sampler']} | {r['wall_s']:.1f} | {setup} | {sampling} | {r['min_ess']:.0f} | "
+          f"{r['ess_per_s']:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -146,11 +182,15 @@ def main() -> None:
     parser.add_argument("--tune", type=int, default=200)
     parser.add_argument("--chains", type=int, default=1)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--samplers", default="synk,pymc,nutpie,numpyro")
+    parser.add_argument("--samplers", default="synk,pymc,numpyro,nutpie")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds each sampler may take (its row says "
+                        "'timed out' past them)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--evals", action="store_true",
-                        help="instead: microseconds per logp-and-gradient evaluation (plain, split, call path)")
-    parser.add_argument("--calls", type=int, default=300, help="evaluations timed with --evals")
+                        help="instead: milliseconds per logp-and-gradient evaluation (plain, split, batched, "
+                        "call path)")
+    parser.add_argument("--calls", type=int, default=100, help="evaluations timed with --evals")
+    parser.add_argument("--batch", type=int, default=4, help="chains in one call with --evals")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: run this sampler
     args = parser.parse_args()
     if args.evals:
@@ -159,30 +199,42 @@ def main() -> None:
     if args.one:
         print("ROW " + json.dumps(run_one(args.one, args)), flush=True)
         return
+    from machine import cpu_model
+
+    print(f"PyMC logistic regression, {args.rows} rows x {args.features} features, {args.chains} chain(s) x "
+          f"({args.draws} draws + {args.tune} tune); {platform.node()}, {os.cpu_count()} CPUs ({cpu_model()})\n",
+          flush=True)
+    print("| sampler | wall s | setup s | sampling s | min bulk ESS | ESS/s |", flush=True)
+    print("|---|---|---|---|---|---|", flush=True)
     rows = []
     for sampler in args.samplers.split(","):
         child = [sys.executable, os.path.abspath(__file__), "--one", sampler, "--rows", str(args.rows),
                  "--features", str(args.features), "--draws", str(args.draws), "--tune", str(args.tune),
                  "--chains", str(args.chains), "--ranks", str(args.ranks)]
-        done = subprocess.run(child, capture_output=True, text=True)
-        found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
-        if done.returncode or not found:
-            rows.append({"sampler": sampler, "skipped": f"failed: {done.stderr.strip().splitlines()[-1:]}"})
+        env = dict(os.environ)
+        if sampler == "numpyro" and "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
+            flag = f"--xla_force_host_platform_device_count={args.chains}"
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+        # its own session: a timed-out sampler is ended with every process it started
+        proc = subprocess.Popen(child, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            row: dict[str, Any] = {"sampler": sampler, "skipped": f"timed out after {args.timeout:.0f} s"}
         else:
-            rows.append(json.loads(found[0]))
-    print(f"PyMC logistic regression, {args.rows} rows x {args.features} features, {args.chains} chain(s) x "
-          f"{args.draws} draws + {args.tune} tune; {platform.node()}, {os.cpu_count()} CPUs\n")
-    print("| sampler | wall s | sampling s | min bulk ESS | ESS/s |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        if "skipped" in r:
-            print(f"| {r['sampler']} | {r['skipped']} | | | |")
-            continue
-        sampling = "" if r["sampling_s"] is None else f"{r['sampling_s']:.1f}"
-        print(f"| {r['sampler']} | {r['wall_s']:.1f} | {sampling} | {r['min_ess']:.0f} | {r['ess_per_s']:.1f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            found = [line[4:] for line in out.splitlines() if line.startswith("ROW ")]
+            if proc.returncode or not found:
+                row = {"sampler": sampler, "skipped": f"failed: {err.strip().splitlines()[-1:]}"}
+            else:
+                row = json.loads(found[0])
+        rows.append(row)
+        print_row(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
