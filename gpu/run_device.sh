@@ -214,18 +214,24 @@ if [ "$what" = inflight ]; then
   SYNK_BENCH_PARTS=tf32 SYNK_BENCH_IN_FLIGHT=2 timeout 150 python3 benchmarks/bench_gpu.py 2>&1 \
     | tee "$OUT/bench_gpu_inflight.log" || status=1
 fi
-# PyMC on the machine's CPU cores (synkhronos.pymc, float64 as PyMC computes): the likelihood's cost per
-# evaluation at 1,000,000 rows (PyMC's own function against the split one at RANKS_PYMC ranks, default
-# 16), then pm.sample side by side (synk, PyMC's default sampler with its chain processes, numpyro on
-# the CPU) at ROWS rows (default 200,000), 4 chains; the .whl folder carries PyMC 6 and its pure-Python
-# dependencies (docs/guides/pymc.rst)
+# PyMC on the machine's CPU cores (synkhronos.pymc, float64 as PyMC computes), in one call of at most about 9
+# minutes: the likelihood's cost per evaluation at 1,000,000 rows (PyMC's own function; the split one at RANKS_PYMC
+# ranks, default 16; 4 chains' points in one call; the call path), then pm.sample side by side at ROWS rows (default
+# 1,000,000), 4 chains x (DRAWS draws + DRAWS tune) (default 100): synk (the 4 chains batched), PyMC's default
+# sampler (4 chain processes), numpyro and nutpie on the CPU, each sampler SAMPLER_S seconds at most (default 150),
+# each row printed as its sampler ends.  The .whl folder carries PyMC 6 and its pure-Python dependencies, and
+# nutpie with its own (nutpie, arro3-core, obstore, platformdirs: docs/guides/pymc.rst); numpyro is the image's.
 if [ "$what" = pymc ]; then
   export PYTENSOR_FLAGS=floatX=float64 JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=
-  timeout 150 python3 benchmarks/bench_pymc.py --evals --rows 1000000 --ranks "${RANKS_PYMC:-16}" --calls 50 2>&1 \
+  # a warm machine installed the wheels of an earlier call: nutpie's too, once
+  python3 -c "import nutpie" 2>/dev/null || ! ls .whl/nutpie-*.whl >/dev/null 2>&1 || python3 -m pip install -q --no-index \
+    --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nutpie-*.whl .whl/arro3_core-*.whl \
+    .whl/obstore-*.whl .whl/platformdirs-*.whl || status=1
+  timeout 100 python3 benchmarks/bench_pymc.py --evals --rows 1000000 --ranks "${RANKS_PYMC:-16}" --calls 30 --batch 4 2>&1 \
     | tee "$OUT/pymc_evals.log" || status=1
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 timeout 400 python3 benchmarks/bench_pymc.py --rows "${ROWS:-200000}" \
-    --draws 200 --tune 200 --chains 4 --ranks "${RANKS_PYMC:-16}" --samplers synk,pymc,numpyro --json "$OUT/pymc.json" 2>&1 \
-    | tee "$OUT/pymc_sample.log" || status=1
+  timeout 440 python3 benchmarks/bench_pymc.py --rows "${ROWS:-1000000}" --draws "${DRAWS:-100}" --tune "${DRAWS:-100}" \
+    --chains 4 --ranks "${RANKS_PYMC:-16}" --samplers synk,pymc,numpyro,nutpie --timeout "${SAMPLER_S:-150}" \
+    --json "$OUT/pymc.json" 2>&1 | tee "$OUT/pymc_sample.log" || status=1
 fi
 # The training step on every GPU against hand-written JAX and DDP, under XLA flag variants, then
 # where the engine's step spends its host time (tools/probe_gpu_step.py)
