@@ -129,16 +129,67 @@ def test_find_map_reaches_pymc_point(ranks):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_chains_batched_equal_each_chain_alone(ranks, name):
+    """Three chains (threads, each with its own compiled function, as pm.sample's chains are) whose
+    evaluations go to the ranks in one call: each value and gradient equal the unbatched one; the
+    chains evaluate 4, 2 and 3 points, so the later calls hold fewer points than slots.  On 2 ranks
+    (split evenly for the logistic model, unevenly for the others)."""
+    from pymc.blocking import DictToArrayBijection
+
+    from synkhronos.pymc import _Batcher
+
+    if ranks != 2:
+        pytest.skip("one group size is enough: the 2-rank group")
+    model = MODELS[name](ROWS[name, ranks])
+    names = [v.name for v in model.continuous_value_vars]
+    points = [[DictToArrayBijection.map({k: random_point(model, 10 * c + i)[k] for k in names}).data
+               for i in range(n)] for c, n in enumerate([4, 2, 3])]
+    with data_parallel(model):
+        fns = [model.logp_dlogp_function(ravel_inputs=True) for _ in points]
+        alone = [[fn(q) for q in qs] for fn, qs in zip(fns, points)]
+        batcher = _Batcher(3)
+        together = batcher.run([lambda fn=fn, qs=qs: [fn(q) for q in qs] for fn, qs in zip(fns, points)])
+    assert batcher.calls == 4  # one call per round of the chains' evaluations
+    for want_chain, got_chain in zip(alone, together):
+        assert len(got_chain) == len(want_chain)
+        for (lw, dw), (lg, dg) in zip(want_chain, got_chain):
+            assert_rel(lg, lw, 1e-9)
+            assert_rel(dg, dw, 1e-9)
+
+
+def test_sample_chains_batched_agree_with_pymc(ranks, caplog):
+    """pm.sample(chains=2, cores=2) inside the block (the chains batched) against PyMC's own
+    sampling outside it: every posterior mean within 4 Monte-Carlo standard errors."""
+    import arviz as az
+
+    if ranks != 2:
+        pytest.skip("one group size is enough: the 2-rank group")
+    model = linear(203)
+    kwargs = dict(draws=100, tune=100, chains=2, random_seed=3, progressbar=False, compute_convergence_checks=False,
+                  model=model)
+    with caplog.at_level("INFO", logger="synkhronos.pymc"), data_parallel(model):
+        idata = pm.sample(cores=2, **kwargs)
+    assert any("2 at a time" in r.getMessage() for r in caplog.records), "the chains did not run batched"
+    want = pm.sample(cores=1, **kwargs)
+    assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == 100
+    for var in ("a", "b", "sigma"):
+        got_mean, want_mean = float(idata.posterior[var].mean()), float(want.posterior[var].mean())
+        se = np.hypot(float(az.mcse(idata, var_names=[var])[var]), float(az.mcse(want, var_names=[var])[var]))
+        assert abs(got_mean - want_mean) < 4 * se, (var, got_mean, want_mean, se)
+
+
 def test_sample_and_fit_inside_the_block(ranks):
     model = linear(203)
     with data_parallel(model):
-        idata = pm.sample(draws=40, tune=40, chains=2, cores=2, random_seed=3, progressbar=False,
+        idata = pm.sample(draws=40, tune=40, chains=2, cores=1, random_seed=3, progressbar=False,
                           compute_convergence_checks=False, model=model)
         approx = pm.fit(n=100, method="advi", model=model, random_seed=4, progressbar=False)
     plain = pm.fit(n=100, method="advi", model=model, random_seed=4, progressbar=False)
     post = idata.posterior
     assert post.sizes["chain"] == 2 and post.sizes["draw"] == 40
-    # the data were made with a = 1.5, b = 2, sigma = 0.7; 203 rows pin them to about 0.05
+    # the chains one after another (cores=1); the data were made with a = 1.5, b = 2, sigma = 0.7:
+    # 203 rows pin them to about 0.05
     assert abs(float(post["a"].mean()) - 1.5) < 0.3
     assert abs(float(post["b"].mean()) - 2.0) < 0.3
     assert abs(float(post["sigma"].mean()) - 0.7) < 0.2
@@ -182,7 +233,8 @@ def test_refuses_other_nuts_samplers(ranks):
         pm.sample(nuts_sampler="numpyro", model=model)
 
 
-def test_a_rank_that_dies_while_sampling_fails_sampling_quickly(ranks):
+@pytest.mark.parametrize("chains", [1, 2], ids=["one_chain", "chains_batched"])
+def test_a_rank_that_dies_while_sampling_fails_sampling_quickly(ranks, chains):
     if ranks != 2:
         pytest.skip("one death is enough: the 2-rank group")
     prefix = current().group.prefix
@@ -195,9 +247,34 @@ def test_a_rank_that_dies_while_sampling_fails_sampling_quickly(ranks):
             killed.append(time.monotonic())
 
     with pytest.raises(synk.WorkerDiedError), data_parallel(model):
-        pm.sample(draws=200, tune=10, chains=1, random_seed=1, progressbar=False, callback=kill_a_rank,
-                  compute_convergence_checks=False, model=model)
+        pm.sample(draws=200, tune=10, chains=chains, cores=chains, random_seed=1, progressbar=False,
+                  callback=kill_a_rank, compute_convergence_checks=False, model=model)
     assert killed and time.monotonic() - killed[0] < 5
     synk.close()
     assert own_entries(prefix) == []
     synk.fork(2, use_gpu=USE_GPU)  # the module's group again, for the fixture's close
+
+
+@pytest.mark.job
+def test_the_example_samples_a_logistic_regression(tmp_path):
+    """examples/pymc_logistic.py as a user runs it, tiny (PyTensor's FAST_COMPILE): it recovers the
+    coefficients and leaves no shared memory behind."""
+    import re
+    import subprocess
+    import sys
+
+    from synk_testutil import EXAMPLES, SHM_DIR
+
+    env = dict(os.environ, PYTENSOR_FLAGS="mode=FAST_COMPILE")
+    env.pop("SYNK_RUN_PREFIX", None)
+    proc = subprocess.Popen([sys.executable, os.path.join(EXAMPLES, "pymc_logistic.py"), "--rows", "1000",
+                             "--features", "2", "--ranks", "2", "--draws", "30", "--tune", "30"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{out}\n{err}"
+    assert re.search(r"^1000 rows, 2 ranks, 2 chains x 30 draws: [\d.]+ s, smallest bulk ESS \d+$", out, re.M), out
+    match = re.search(r"^intercept (-?[\d.]+) \(true -0.500\); largest \|beta - true\| ([\d.]+)$", out, re.M)
+    assert match, out
+    # 1000 rows pin the intercept and the coefficients to about 0.1
+    assert abs(float(match.group(1)) + 0.5) < 0.3 and float(match.group(2)) < 0.4, out
+    assert not [e for e in os.listdir(SHM_DIR) if f"-{proc.pid}-" in e], "the example left shared memory behind"
