@@ -150,7 +150,19 @@ def test_chains_batched_equal_each_chain_alone(ranks, name):
         alone = [[fn(q) for q in qs] for fn, qs in zip(fns, points)]
         batcher = _Batcher(3)
         together = batcher.run([lambda fn=fn, qs=qs: [fn(q) for q in qs] for fn, qs in zip(fns, points)])
+
+        def fails_after_two() -> None:
+            fns[1](points[1][0])
+            fns[1](points[1][1])
+            raise ValueError("a chain failed")
+
+        # a chain that fails stops the others at their next evaluation; its error is raised
+        stopping = _Batcher(3)
+        with pytest.raises(ValueError, match="a chain failed"):
+            stopping.run([lambda: [fns[0](q) for q in points[0] * 5], fails_after_two,
+                          lambda: [fns[2](q) for q in points[2] * 5]])
     assert batcher.calls == 4  # one call per round of the chains' evaluations
+    assert stopping.calls <= 3
     for want_chain, got_chain in zip(alone, together):
         assert len(got_chain) == len(want_chain)
         for (lw, dw), (lg, dg) in zip(want_chain, got_chain):

@@ -111,7 +111,8 @@ def _rebuild(outputs: list[Any], replace: dict[Any, Any], rows: int, local_rows:
             except NotScalarConstantError:
                 # a dimension's length (``pm.Model(coords=...)``: a shared scalar)
                 shared = node.inputs[1]
-                first = int(shared.get_value()) if isinstance(shared, SharedVariable) and shared.ndim == 0 else -1
+                value = shared.get_value(borrow=True) if isinstance(shared, SharedVariable) else None
+                first = int(value) if value is not None and np.ndim(value) == 0 else -1
             if first == rows:
                 inputs[1] = local_rows
         if all(a is b for a, b in zip(inputs, node.inputs)):
@@ -571,12 +572,16 @@ class _Stopped(RuntimeError):
 
 
 class _Request:
+    """One chain's evaluation, waiting for its batch: ``done`` is set when ``result`` is there, or
+    ``stopped`` (the chains are stopping)."""
+
     __slots__ = ("done", "result", "split", "stopped", "values", "with_grad")
 
     def __init__(self, split: _Split, values: Sequence[Any], with_grad: bool) -> None:
         self.split, self.values, self.with_grad = split, values, with_grad
         self.result: list[Any] = []
-        self.done = self.stopped = False
+        self.stopped = False
+        self.done = threading.Event()
 
 
 class _Batcher:
@@ -589,7 +594,8 @@ class _Batcher:
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        self.full = threading.Condition(self.lock)  # every running chain waits (or one ended)
         self.waiting: dict[int, _Request] = {}
         self.live: set[int] = set()
         self.error: BaseException | None = None
@@ -598,13 +604,13 @@ class _Batcher:
     def evaluate(self, slot: int, split: _Split, values: Sequence[Any], with_grad: bool) -> list[Any]:
         """In a chain's thread: ``split``'s results at ``values``, evaluated with the other chains'."""
         request = _Request(split, [np.array(v, copy=True) for v in values], with_grad)
-        with self.cond:
+        with self.lock:
             if self.error is not None:
                 raise _Stopped("another chain failed")
             self.waiting[slot] = request
-            self.cond.notify_all()
-            while not request.done:
-                self.cond.wait()
+            if len(self.waiting) >= len(self.live):
+                self.full.notify()
+        request.done.wait()
         if request.stopped:
             raise _Stopped("another chain failed")
         return request.result
@@ -624,9 +630,9 @@ class _Batcher:
                 if not isinstance(exc, _Stopped):
                     self._stop(exc)
             finally:
-                with self.cond:
+                with self.lock:
                     self.live.discard(slot)
-                    self.cond.notify_all()
+                    self.full.notify()
 
         self.live = set(range(len(tasks)))
         threads = [threading.Thread(target=body, args=(slot,), name=f"synk-pymc-chain-{slot}", daemon=True)
@@ -645,19 +651,20 @@ class _Batcher:
         return results
 
     def _stop(self, exc: BaseException) -> None:
-        with self.cond:
+        with self.lock:
             if self.error is None:
                 self.error = exc
-            for request in self.waiting.values():
-                request.stopped = request.done = True
-            self.waiting.clear()
-            self.cond.notify_all()
+            stopped, self.waiting = self.waiting, {}
+            self.full.notify()
+        for request in stopped.values():
+            request.stopped = True
+            request.done.set()
 
     def _serve(self) -> None:
         while True:
-            with self.cond:
+            with self.lock:
                 while self.live and self.error is None and len(self.waiting) < len(self.live):
-                    self.cond.wait()
+                    self.full.wait()
                 if self.error is not None or not self.live:
                     return
                 batch, self.waiting = self.waiting, {}
@@ -673,14 +680,12 @@ class _Batcher:
                         request.result = out[slot] if with_grad == request.with_grad else out[slot][:1]
                 self.calls += 1
             except BaseException as exc:  # the chains stop, run() raises it
-                with self.cond:
+                with self.lock:
                     self.waiting.update(batch)
                 self._stop(exc)
                 return
-            with self.cond:
-                for request in batch.values():
-                    request.done = True
-                self.cond.notify_all()
+            for request in batch.values():
+                request.done.set()
 
 
 def _batched_mp_sample(*, draws: int, tune: int, step: Any, chains: int, cores: int, rngs: Sequence[Any],
