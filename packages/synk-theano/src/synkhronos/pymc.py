@@ -36,10 +36,14 @@ What is split and what is not
     term are refused too.  ``model.logp(sum=False)`` (per-row values) is not split.
 
 Chains
-    ``pm.sample(chains=k)`` runs the chains one after another in this process; each evaluation of
-    each chain uses every rank.  ``cores=`` is ignored inside the block (PyMC's chain processes
-    cannot drive the group).  Other NUTS implementations (``nuts_sampler="nutpie"``, ``"numpyro"``)
-    compile the model their own way and are refused inside the block.
+    ``pm.sample(chains=k, cores=c)`` runs ``min(c, k)`` chains at once in this process (threads,
+    each with its own copy of the step method, each chain PyMC's own sampling loop), and every
+    evaluation of the running chains goes to the ranks in one call: the likelihood vectorised over
+    the chains' parameter points, the rows read once for all of them.  ``cores`` keeps its default
+    (``min(4, cpu_count)``); ``cores=1`` runs the chains one after another, each evaluation on
+    every rank.  Each chain's values equal its unbatched ones to rounding.  Other NUTS
+    implementations (``nuts_sampler="nutpie"``, ``"numpyro"``) compile the model their own way and
+    are refused inside the block.
 """
 
 from __future__ import annotations
@@ -762,8 +766,11 @@ def data_parallel(model: Any) -> Iterator[Any]:
     -----
     Splitting happens the first time PyMC builds the model's ``logp`` inside the block (its row
     arrays are scattered then, once).  Functions compiled inside the block call the ranks and work
-    only inside it.  ``pm.sample`` inside the block runs its chains in this process (``cores`` is
-    set to 1) with PyMC's own NUTS; ``nuts_sampler`` other than ``"pymc"`` is refused.
+    only inside it.  ``pm.sample`` inside the block samples with PyMC's own NUTS
+    (``nuts_sampler`` other than ``"pymc"`` is refused) in this process: with ``cores > 1`` and
+    several chains, ``min(cores, chains)`` chains at once in threads, their evaluations batched in
+    one call into the ranks (in place of PyMC's chain processes); with ``cores=1`` one chain after
+    another.  A draw ``callback`` is called from the chain's thread, one call at a time.
     """
     import pymc
 
