@@ -91,8 +91,9 @@ def run_one(sampler: str, args: argparse.Namespace) -> dict[str, Any]:
             idata = pm.sample(**kwargs)
         wall = time.perf_counter() - start
         synk.close()
-        row["sampler"] = (f"synk, {args.ranks} ranks, " + (f"{args.chains} chains batched" if sampler == "synk"
-                                                            else "chains in turn"))
+        chains = ("one chain" if args.chains == 1 else f"{args.chains} chains batched" if sampler == "synk"
+                  else "chains in turn")
+        row["sampler"] = f"synk, {args.ranks} ranks, {chains}"
     else:
         if sampler != "pymc":
             try:
