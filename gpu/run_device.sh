@@ -220,7 +220,7 @@ fi
 # 1,000,000), 4 chains x (DRAWS draws + DRAWS tune) (default 100): synk (the 4 chains batched), PyMC's default
 # sampler (4 chain processes), numpyro and nutpie on the CPU, each sampler SAMPLER_S seconds at most (default 150),
 # each row printed as its sampler ends.  The .whl folder carries PyMC 6 and its pure-Python dependencies, and
-# nutpie with its own (nutpie, arro3-core, obstore, platformdirs: docs/guides/pymc.rst); numpyro is the image's.
+# nutpie with what it needs beyond the image (nutpie, arro3-core, obstore, platformdirs); numpyro is the image's.
 if [ "$what" = pymc ]; then
   export PYTENSOR_FLAGS=floatX=float64 JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=
   # a warm machine installed the wheels of an earlier call: nutpie's too, once
