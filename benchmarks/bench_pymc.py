@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -222,8 +223,12 @@ def main() -> None:
         try:
             out, err = proc.communicate(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
             row: dict[str, Any] = {"sampler": sampler, "skipped": f"timed out after {args.timeout:.0f} s"}
         else:
             found = [line[4:] for line in out.splitlines() if line.startswith("ROW ")]
