@@ -794,9 +794,14 @@ def data_parallel(model: Any) -> Iterator[Any]:
         kwargs["nuts_sampler"] = "pymc"  # never nutpie by default here
         return original_sample(*args, **kwargs)
 
+    def mp_sample(**kwargs: Any) -> Any:
+        if kwargs.get("model") is not model:  # another model's pm.sample: PyMC's chain processes
+            return original_mp_sample(**kwargs)
+        return _batched_mp_sample(**kwargs)
+
     model.logp = hook.logp
     pymc.sample = sample
-    mcmc._mp_sample = _batched_mp_sample
+    mcmc._mp_sample = mp_sample
     try:
         yield model
     finally:
