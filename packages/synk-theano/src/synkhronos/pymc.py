@@ -787,6 +787,12 @@ def data_parallel(model: Any) -> Iterator[Any]:
     original_sample, original_mp_sample = pymc.sample, mcmc._mp_sample
 
     def sample(*args: Any, **kwargs: Any) -> Any:
+        try:
+            ours = pymc.modelcontext(kwargs.get("model")) is model
+        except TypeError:  # no model: PyMC says so
+            ours = False
+        if not ours:
+            return original_sample(*args, **kwargs)
         sampler = kwargs.get("nuts_sampler")
         if sampler not in (None, "pymc"):
             raise ValueError(f"nuts_sampler={sampler!r} compiles the model its own way: inside "
