@@ -52,6 +52,7 @@ import itertools
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -326,6 +327,22 @@ def _without_checks(check_bounds: bool, outs: list[Any]) -> list[Any]:
     return list(fgraph.outputs)
 
 
+def _xla_dot() -> dict[str, Any]:
+    """``mode="JAX"`` for the batched likelihood in CPU mode's JAX ranks: XLA's own product, not
+    numpy's BLAS (:mod:`synkhronos.blas`).  The chains' products are tall and thin (rows by
+    features times features by chains), where the BLAS call took about 1.8x XLA's time: 4 chains'
+    logistic regression at 200,000 rows on 2 ranks, 35 against 19 ms per call (2-core VM,
+    ``bench_pymc.py --evals --batch 4`` with ``SYNK_CPU_BLAS=1`` and ``=0``).  ``SYNK_CPU_BLAS=1``
+    keeps the BLAS."""
+    from synkhronos import blas
+    from synkhronos.runtime import get_runtime
+
+    device = get_runtime().device
+    if device.use_gpu or getattr(device, "backend", None) != "jax" or os.environ.get(blas.BLAS_ENV, "").strip() == "1":
+        return {}
+    return {"mode": "JAX"}
+
+
 class _Batched:
     """A :class:`_Split`'s likelihood at ``width`` parameter points in one call: every parameter
     takes a leading axis of ``width`` (one slot per chain), the per-row terms are the same graph
@@ -340,6 +357,7 @@ class _Batched:
         import pytensor.tensor as pt
 
         import synkhronos as synk
+        from synkhronos.cpu import SKIPPED_ASSERT
 
         self.split = split
         self.width = width
@@ -354,9 +372,21 @@ class _Batched:
         packed = [pt.concatenate([pt.cast(g, "float64").reshape((width, -1)) for g in grads], axis=1)] \
             if len(grads) else []
         outs = _without_checks(split.check_bounds, [values, *packed])
-        self.fn = synk.function(inputs=row_ph, bcast_inputs=batched_ph, outputs=[(o, "sum") for o in outs],
-                                name=f"pymc_likelihood_{'_'.join(split.names)}_x{width}")
+        name = f"pymc_likelihood_{'_'.join(split.names)}_x{width}"
+        mode = _xla_dot()
+        try:
+            with warnings.catch_warnings():  # compiled in JAX mode: JAX drops PyTensor's shape asserts
+                warnings.filterwarnings("ignore", message=SKIPPED_ASSERT)
+                self.fn = synk.function(inputs=row_ph, bcast_inputs=batched_ph, outputs=[(o, "sum") for o in outs],
+                                        name=name, **mode)
+        except Exception as exc:
+            if not mode:
+                raise
+            _log.info("data_parallel: %s does not compile in JAX mode (%r): the ranks' own choice", name, exc)
+            self.fn = synk.function(inputs=row_ph, bcast_inputs=batched_ph, outputs=[(o, "sum") for o in outs],
+                                    name=name)
         self.param_data: list[Any] = [None] * len(param_ph)
+        self.called = False
 
     @staticmethod
     def _vectorised(local_terms: list[Any], param_ph: list[Any], batched_ph: list[Any], width: int) -> list[Any]:
@@ -396,14 +426,25 @@ class _Batched:
                 arr[slot] = points.get(slot, first)[i]
         data = self.param_data
         if not split.float_params:
-            values = self.fn(*split.row_data, *data)
+            values = self._call(*split.row_data, *data)
             return {slot: [values[slot]] for slot in points}
         if not with_grad:
-            out = self.fn(*split.row_data, *data, output_subset=[0])
+            out = self._call(*split.row_data, *data, output_subset=[0])
             values = out[0] if isinstance(out, list) else out
             return {slot: [values[slot]] for slot in points}
-        values, flat = self.fn(*split.row_data, *data)
+        values, flat = self._call(*split.row_data, *data)
         return {slot: [values[slot], *split._unpack(points[slot], flat[slot])] for slot in points}
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.called:
+            return self.fn(*args, **kwargs)
+        from synkhronos.cpu import SKIPPED_ASSERT
+
+        with warnings.catch_warnings():  # the first call compiles (JAX drops PyTensor's shape asserts)
+            warnings.filterwarnings("ignore", message=SKIPPED_ASSERT)
+            out = self.fn(*args, **kwargs)
+        self.called = True
+        return out
 
 
 class SplitLikelihood(Op):
