@@ -98,9 +98,11 @@ def test_operations_come_after_pending_calls(ranks):
         synk.broadcast(c)
         gate = _gated(window)
         early = inc.submit(ones)
+        opener = threading.Timer(0.2, gate.set)  # opens the gate while set_value waits
+        opener.start()
         ones.set_value(np.full((6, 2), 2.0, dtype=FLOAT))  # waits for ``early``, which reads the old rows
-        gate.set()
-        assert float(early.result()) == 12.0
+        opener.join()
+        assert early.done() and float(early.result()) == 12.0
         assert float(inc(ones)) == 24.0
         assert np.array_equal(synk.get_value(ranks - 1, c), np.full(2, 2.0))
 
