@@ -6,6 +6,7 @@ both when it closes)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 from synk_testutil import worker_pids
 
 import synkhronos as synk
-from synkhronos import ops
+from synkhronos import inflight, ops
 from synkhronos.inflight import Window
 from synkhronos.runtime import current
 
@@ -130,6 +131,91 @@ def test_a_failing_call_cancels_the_queue_and_leaves_the_group_usable(ranks):
             assert cancelled.value.__cause__ is error.value
         assert np.array_equal(f.submit(d, batch=2).result(), np.array([2.0, 4.0]))
     assert np.array_equal(f(d), expected)
+
+
+def test_a_call_failing_in_the_workers_mid_window(ranks):
+    """A failure that the workers find (a ``batch_s`` index beyond the sliceable rows) while the call
+    before it is pipelined on the JAX engine: that call completes, the failing one raises what the
+    synchronous call raises, the ones behind it are cancelled and change nothing."""
+    s = pytensor.shared(np.arange(8.0, dtype=FLOAT).reshape(4, 2), name="s")
+    c = pytensor.shared(np.zeros((), dtype=FLOAT), name="c")
+    g = synk.function([], outputs=(s.sum(), "sum"), updates=[(c, c + 1)], sliceable_shareds=[s])
+    with pytest.raises(synk.SelectionError) as sync_error:
+        g(batch_s=[0, 1, 99])
+    with wide_window() as window:
+        gate = _gated(window)
+        before = [g.submit(batch_s=slice(1, 3)) for _ in range(2)]
+        bad = g.submit(batch_s=[0, 1, 99])
+        after = [g.submit(batch_s=slice(0, 2)) for _ in range(2)]
+        gate.set()
+        assert [float(b.result()) for b in before] == [ranks * 14.0] * 2
+        with pytest.raises(synk.SelectionError) as error:
+            bad.result()
+        assert str(error.value) == str(sync_error.value)
+        for a in after:
+            with pytest.raises(CancelledError) as cancelled:
+                a.result()
+            assert cancelled.value.__cause__ is error.value
+        assert float(g.submit(batch_s=slice(0, 2)).result()) == ranks * 6.0
+    assert all(float(synk.get_value(r, c)) == 3.0 for r in range(ranks))
+
+
+def test_jax_engine_pipelines_submitted_calls(ranks, monkeypatch):
+    """On the JAX engine a submitted call's command brings back the call before it: after two
+    submits, the first is done while the second's outputs are still held by the workers (fetched
+    when someone waits, or after IDLE_FETCH_S without a new call)."""
+    rt = current()
+    if rt.driver.name != "jax":
+        pytest.skip("the per-rank engine runs submitted calls one by one")
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=(x.sum(), "sum"))
+    d = synk.data(np.ones((4, 2), dtype=FLOAT))
+    monkeypatch.setattr(inflight, "IDLE_FETCH_S", 30.0)
+    first, second = f.submit(d), f.submit(d)
+    assert float(first.result(timeout=10)) == 8.0
+    time.sleep(0.05)  # the dispatch thread is idle now, holding the second call pipelined
+    assert not second.done() and rt.engine.pipelined is not None
+    assert float(second.result(timeout=10)) == 8.0 and rt.engine.pipelined is None
+    monkeypatch.setattr(inflight, "IDLE_FETCH_S", 0.01)
+    third = f.submit(d)
+    done, _ = concurrent.futures.wait([third], timeout=10)  # no result(): fetched after the idle time
+    assert third in done and float(third.result()) == 8.0
+
+
+def test_window_orders_deferred_calls_and_cancels_after_a_late_failure():
+    """The window alone, with a fake engine: a deferred call resolved by the next call's command
+    completes first; a deferred call that fails when the next call runs fails with its error, that
+    next call raises CancelledError chained to it, and the rest are cancelled."""
+    window = Window(5)  # the gate and four calls
+    held: list[tuple[int, inflight.Deferred]] = []
+    boom = RuntimeError("call 2 failed on the device")
+
+    def call(i: int):
+        def run():
+            if held:
+                j, d = held.pop()
+                if j == 2:
+                    d.fail(boom)
+                    raise CancelledError("cancelled") from boom
+                d.resolve(j)
+            d = inflight.Deferred(lambda: held and held.pop()[1].resolve(-1))
+            held.append((i, d))
+            return d.then(lambda v: v * 10)
+        return run
+
+    gate = _gated(window)
+    futures = [window.submit(call(i)) for i in range(1, 5)]
+    gate.set()
+    assert futures[0].result(timeout=10) == 10
+    with pytest.raises(RuntimeError) as error:
+        futures[1].result(timeout=10)
+    assert error.value is boom
+    for f in futures[2:]:
+        with pytest.raises(CancelledError) as cancelled:
+            f.result(timeout=10)
+        assert cancelled.value.__cause__ is boom
+    assert window.submit(call(5)).result(timeout=10) == -10  # fetched: the group goes on
+    window.close()
 
 
 def test_max_in_flight_is_checked_and_bounds_the_window():
