@@ -99,7 +99,7 @@ def test_submitted_steps_equal_synchronous_steps_bit_for_bit(ranks, data, monkey
     """The Trainer submits its steps (reading each loss up to the window's depth later) and
     ``TrainFunction.submit`` returns futures: the same losses and parameters, bit for bit, as the
     same steps called one by one."""
-    x, y, x_data, y_data = data
+    _, _, x_data, y_data = data
     spans = [(a, min(a + 8, N_ROWS)) for a in range(0, N_ROWS, 8)]
     made = []
 
@@ -135,7 +135,7 @@ def test_submitted_steps_equal_synchronous_steps_bit_for_bit(ranks, data, monkey
     quiet(train, batch_size=8, shuffle=False, callbacks=[losses]).fit((x_data, y_data), epochs=2)
     assert len(submitted) - before == 2 * len(spans) - 2  # all but the first step of each size (8, 5 rows)
     assert [s for s, _, _ in losses.seen] == list(range(1, 2 * len(spans) + 1))
-    assert [(l, a) for _, l, a in losses.seen] == [(float(l), float(a)) for l, a in sync]
+    assert [(v, a) for _, v, a in losses.seen] == [(float(v), float(a)) for v, a in sync]
     for p, expected in zip(params, sync_params):
         assert all(np.array_equal(g, e) for g, e in zip(synk.gather(p, nd_up=1), expected)), p.name
 

@@ -224,7 +224,8 @@ class TrainFunction:
         The step is submitted when it runs as :attr:`function` (one call: ``num_slices=1``, see
         :func:`in_graph_all_reduce_pays`), the engine ran an earlier step of it so (the first step
         is synchronous: it compiles, and tells whether the JAX engine takes the step as one program),
-        and it reads no sliceable shared variables (whose uneven shares the engine would refuse).
+        and it reads no sliceable shared variables or reads them through a ``batch_s`` slice (the same
+        rows in every rank; other selections the JAX engine runs as :attr:`chain`).
         Otherwise it runs synchronously here and the future returned is done.
 
         Raises
@@ -234,7 +235,7 @@ class TrainFunction:
         """
         if _empty(batch):
             raise ValueError("the batch is empty: a training step needs at least one row")
-        if (num_slices == 1 and self._whole and not self.sliceable_shareds
+        if (num_slices == 1 and self._whole and (not self.sliceable_shareds or type(batch_s) is slice)
                 and in_graph_all_reduce_pays(self.own_mode)):
             return _StepFuture(self.function.submit(*data, batch=batch, batch_s=batch_s, **named), self._shape)
         done: Future[Any] = Future()

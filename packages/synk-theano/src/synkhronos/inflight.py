@@ -236,12 +236,7 @@ class Window:
             if item is None:
                 return
             if isinstance(item, Deferred):
-                try:
-                    item.fetch()
-                except BaseException as error:  # the engine could not fetch it: the call failed
-                    item.fail(error)
-                if not item.resolved:
-                    item.fail(RuntimeError("synkhronos: a call's outputs were fetched but did not come"))
+                self._fetch(item)
                 continue
             seq, future, fn = item
             with self._cond:
@@ -256,6 +251,8 @@ class Window:
                 try:
                     result = fn()
                 except BaseException as error:
+                    while self._open:  # the calls before it complete first
+                        self._fetch(self._open[0])
                     self._settle(future, False, error)
                 else:
                     if isinstance(result, Deferred):
@@ -266,6 +263,15 @@ class Window:
                         self._settle(future, True, result)
             else:
                 self._finished()
+
+    @staticmethod
+    def _fetch(item: Deferred) -> None:
+        try:
+            item.fetch()
+        except BaseException as error:  # the engine could not fetch it: the call failed
+            item.fail(error)
+        if not item.resolved:
+            item.fail(RuntimeError("synkhronos: a call's outputs were fetched but did not come"))
 
     def _sink(self, future: Future[Any], deferred: Deferred) -> Callable[[bool, Any], None]:
         def sink(ok: bool, value: Any) -> None:
