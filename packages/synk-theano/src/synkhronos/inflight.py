@@ -17,10 +17,12 @@ Order against everything else
 
 Failure
     A call that raises: its future raises the same exception as the synchronous call; every call
-    submitted before that failure was seen and not started yet is cancelled -- its future raises
-    :class:`concurrent.futures.CancelledError` whose ``__cause__`` is the failure -- and the group
-    stays usable (calls submitted afterwards run).  A worker's death fails the running call with
-    :class:`~synkhronos.WorkerDiedError` and cancels the rest the same way.
+    submitted before that failure was seen whose result had not come back is cancelled -- its
+    future raises :class:`concurrent.futures.CancelledError` whose ``__cause__`` is the failure --
+    and the group stays usable (calls submitted afterwards run).  A pipelined call (below) whose
+    program fails on the device is seen failing while the next call's command runs: that next call
+    (dispatched behind it, on what it left) is cancelled.  A worker's death fails the oldest
+    pending call with :class:`~synkhronos.WorkerDiedError` and cancels the rest the same way.
 
 Pipelined calls (the JAX engine)
     A call may return a :class:`Deferred` instead of its result: its command went out, the

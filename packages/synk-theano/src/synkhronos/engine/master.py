@@ -213,7 +213,7 @@ def fetch(rt: Runtime) -> None:
 
 def _after_failure(rt: Runtime, previous: _Pipelined, exc: BaseException) -> None:
     """A pipelined call's command failed (``exc``) while the call before it was pending: which one
-    failed?  The workers kept the answer (:func:`synkhronos.engine.worker._fetch`).  If the earlier
+    failed?  The workers kept the answer (the worker's ``FETCH`` handler).  If the earlier
     one: it fails with ``exc`` and this one raises CancelledError; else the earlier one resolves and
     ``exc`` is this call's (the caller raises it)."""
     replies = None

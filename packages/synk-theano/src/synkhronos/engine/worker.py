@@ -11,6 +11,11 @@ import this module through :mod:`synkhronos.worker`):
   per-rank program of :mod:`synkhronos.replica`.  Every worker replies ``[form, weight,
   *outputs]``: ``form`` ``PROGRAM`` (compute rank 0 alone carries the combined outputs) or
   ``PER_RANK`` (each rank its own share, combined by the master).
+  A *pipelined* call (bit :data:`~synkhronos.calls.DEFER` of the plan's flags slot, a submitted
+  call: :mod:`synkhronos.inflight`) is dispatched and held (:class:`Pending`); the rank replies
+  the outputs of the pipelined call before it, which it waits for only after this call's program
+  is queued behind it (``_call_pipelined``).
+* ``FETCH`` -- the outputs of the pipelined call held, when no call follows it (``_fetch``).
 * ``VALUE`` -- shared variables' values: read one rank's (``get``) or every rank's (``read``),
   set them (``assign``: the same in every rank, or one per rank); or every rank's device memory
   figures (``memory``).
@@ -79,9 +84,9 @@ class Ranks:
         self.pinned: dict[int, int] = {}
         """Data id -> the address of its memory, registered with the device (0: too small to register)."""
         self.pending: Pending | None = None
-        """The last pipelined call, dispatched and not replied yet (:func:`_call_pipelined`)."""
+        """The last pipelined call, dispatched and not replied yet (``_call_pipelined``)."""
         self.ready: list[Any] | None = None
-        """What a failed pipelined command left for the master's fetch (:func:`_fetch`)."""
+        """What a failed pipelined command left for the master's fetch (``_fetch``)."""
         self.known: dict[bytes, tuple[calls.CallPlan, Any, Program, Any, np.ndarray]] = {}
         """A call's plan (its scratch slots, as bytes) -> what it decoded to: (plan, replica, program,
         batch_s window, the weight replied), for plans that ran as one program and need no check
@@ -233,7 +238,7 @@ def _call_pipelined(group: Group, rt: Runtime) -> None:
     The reply: ``[lengths, *previous, *this]``, ``lengths`` = (parts of the previous call's reply,
     parts of this call's, whether this call is still pending).  A call that runs per rank (not one
     program) is run here and replied whole.  On a failure the rank raises (the command fails) and
-    keeps what the master fetches next (:func:`_fetch`): the previous call's reply, or that the
+    keeps what the master fetches next (``_fetch``): the previous call's reply, or that the
     previous call is what failed (this call is then dropped)."""
     ranks = rt.engine
     previous, ranks.pending, ranks.ready = ranks.pending, None, None
@@ -266,7 +271,7 @@ def _call_pipelined(group: Group, rt: Runtime) -> None:
 @handler(FETCH)
 def _fetch(group: Group, _payload: None) -> None:
     """The outputs of the last pipelined call (``[0, *reply]``), or what a failed pipelined command
-    left (:func:`_call_pipelined`: ``[0, *reply]`` of the call before it, ``[1]`` that call
+    left (``_call_pipelined``: ``[0, *reply]`` of the call before it, ``[1]`` that call
     failed), or ``[2]``: nothing held."""
     if group.is_master:
         return
