@@ -173,9 +173,11 @@ class Function:
         ``submit`` blocks while the window is full.  Every other operation of the group (a
         collective, ``get_value``/``set_value``, a Data's ``set_value``/resize/free,
         ``distribute``, ``close``, a synchronous call) waits for the pending calls first.  A call
-        that fails cancels the calls submitted before its failure that had not started (their
-        futures raise :class:`concurrent.futures.CancelledError` whose ``__cause__`` is the
-        failure); the group stays usable.  See :mod:`synkhronos.inflight`.
+        that fails cancels the calls submitted before its failure was seen whose results had not
+        come back (their futures raise :class:`concurrent.futures.CancelledError` whose
+        ``__cause__`` is the failure); the group stays usable.  On the JAX engine the calls are
+        pipelined: the workers dispatch a call's program while the one before it runs.  See
+        :mod:`synkhronos.inflight`.
 
         Do not write into a Data that a pending call reads (``d[:] = ...``) before its future
         is done: its contents are read when the call runs.
