@@ -160,6 +160,42 @@ def test_a_call_failing_in_the_workers_mid_window(ranks):
     assert all(float(synk.get_value(r, c)) == 3.0 for r in range(ranks))
 
 
+def test_a_call_failing_while_it_runs_cancels_the_call_dispatched_behind_it(ranks):
+    """A call whose computation fails in every rank (on the JAX engine a host callback inside its
+    program: on GPUs seen when its outputs are read, while the next call's command runs and that
+    call is dispatched already; JAX's CPU device raises it when dispatching): its future raises
+    what the synchronous call raises, the calls behind it are cancelled, and the group goes on."""
+    if current().driver.name != "jax":
+        pytest.skip("the per-rank engine's failures: test_a_failing_call_cancels_the_queue_...")
+    from synk_engine_ops import Stall
+
+    x = pt.vector("x")
+    fails = x
+    for r in range(ranks):  # each rank's own Stall raises on a negative sum
+        fails = Stall(0.0, fail_rank=r)(fails)
+    f = synk.function([x], outputs=(fails.sum(), "sum"))
+    good, bad = synk.data(np.ones(2 * ranks, dtype=FLOAT)), synk.data(-np.ones(2 * ranks, dtype=FLOAT))
+    assert float(f(good)) == 2.0 * ranks
+    with pytest.raises(Exception) as sync_error:
+        f(bad)
+    with wide_window() as window:
+        gate = _gated(window)
+        before = [f.submit(good) for _ in range(2)]
+        failing = f.submit(bad)
+        after = [f.submit(good) for _ in range(2)]
+        gate.set()
+        assert [float(b.result()) for b in before] == [2.0 * ranks] * 2
+        with pytest.raises(Exception) as error:
+            failing.result()
+        assert type(error.value) is type(sync_error.value) and "fails on purpose" in str(error.value)
+        for a in after:
+            with pytest.raises(CancelledError) as cancelled:
+                a.result()
+            assert cancelled.value.__cause__ is error.value
+        assert float(f.submit(good).result()) == 2.0 * ranks
+    assert float(f(good)) == 2.0 * ranks
+
+
 def test_jax_engine_pipelines_submitted_calls(ranks, monkeypatch):
     """On the JAX engine a submitted call's command brings back the call before it: after two
     submits, the first is done while the second's outputs are still held by the workers (fetched
