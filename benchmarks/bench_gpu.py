@@ -43,8 +43,10 @@ POLICY_ENV = "SYNK_BENCH_POLICY"
 """The precision policy of the training rows (:mod:`synkhronos.precision`; set by :func:`main` for the
 bf16 table, read by the rows' processes): ``bf16`` also puts DDP's forward pass under autocast."""
 IN_FLIGHT = int(os.environ.get("SYNK_BENCH_IN_FLIGHT", "0"))
-"""> 0: the synk training rows submit each step (``Function.submit``) with this many calls in flight,
-reading every step's loss as it completes; 0 (default): synchronous calls."""
+"""> 0: beside the synchronous synk step, a column of the same step submitted (``Function.submit``,
+pipelined on the JAX engine) with this many calls in flight (``fork(max_in_flight=...)``), every
+step's loss read through its future as it completes, up to this many steps late; 0 (default): the
+synchronous step alone."""
 USE_GPU = os.environ.get("SYNK_BENCH_CPU") != "1"  # SYNK_BENCH_CPU=1: a dry run of the code on CPU workers
 D, H, L, C = 1024, 4096, 4, 10
 WIDTHS = [D] + [H] * L + [C]
@@ -149,7 +151,8 @@ def synk_training(n: int, scattered: int) -> tuple[Any, list[Any]]:
 
 def synk_train_steps(n: int, batches: list[int], steps: int = 20) -> dict[int, float]:
     """Seconds per step of ``synk_lasagne``'s training function (:func:`synk_training`), data
-    resident on the GPUs."""
+    resident on the GPUs: key ``batch`` synchronous (the loss read every step), key ``-batch``
+    submitted (with :data:`IN_FLIGHT`; the loss of every step read through its future)."""
     import synkhronos as synk
     from synkhronos.engine.master import device_memory
 
@@ -160,19 +163,23 @@ def synk_train_steps(n: int, batches: list[int], steps: int = 20) -> dict[int, f
         for _ in range(5):
             train(batch_s=rows)
         t0 = time.perf_counter()
-        if IN_FLIGHT > 0:  # every step's loss read when it completes, up to IN_FLIGHT steps late
-            pending: collections.deque[Any] = collections.deque()
-            for _ in range(steps):
-                pending.append(train.function.submit(batch_s=rows))
-                if len(pending) >= IN_FLIGHT:
-                    pending.popleft().result()
-            while pending:
-                pending.popleft().result()
-        else:
-            for _ in range(steps):
-                train(batch_s=rows)  # returns the loss: every step ends with the host holding it
+        for _ in range(steps):
+            train(batch_s=rows)  # returns the loss: every step ends with the host holding it
         synk.get_value(0, params[-1])  # the last update has finished (a 10-value bias: a cheap wait)
         times[batch] = (time.perf_counter() - t0) / steps
+        if IN_FLIGHT > 0:  # every step's loss read when it completes, up to IN_FLIGHT steps late
+            losses = []
+            t0 = time.perf_counter()
+            pending: collections.deque[Any] = collections.deque()
+            for _ in range(steps):
+                pending.append(train.submit(batch_s=rows))
+                if len(pending) >= IN_FLIGHT:
+                    losses.append(float(pending.popleft().result()))
+            while pending:
+                losses.append(float(pending.popleft().result()))
+            synk.get_value(0, params[-1])
+            times[-batch] = (time.perf_counter() - t0) / steps
+            assert len(losses) == steps and all(np.isfinite(losses))
     # the GPU 0 worker's peak (the JAX engine's master holds no GPU: its own statistics read 0)
     times[-1] = device_memory()[0]["peak_bytes_in_use"] if USE_GPU else 0
     synk.close()
@@ -386,7 +393,8 @@ def print_training_table(runs: dict[str, dict[int, float]], batches: list[int], 
           "ms per step)\n")
     head = ["global batch", "PyTensor JAX 1 GPU"]
     for k in counts:
-        head += [f"ours {k}", f"DDP {k}", f"DDP {k} no per-step sync"]
+        head += [f"ours {k}", *([f"ours {k} submitted ({IN_FLIGHT} in flight)"] if IN_FLIGHT > 0 else []),
+                 f"DDP {k}", f"DDP {k} no per-step sync"]
         if k > 1:
             head += [f"ours scaling {k}", f"DDP scaling {k}"]
     print("| " + " | ".join(head) + " |\n|" + "---:|" * len(head))
@@ -394,7 +402,8 @@ def print_training_table(runs: dict[str, dict[int, float]], batches: list[int], 
         cells = [str(b), f"{runs['plain_1'][b] * 1e3:.2f}"]
         for k in counts:
             ours, ddp = runs[f"synk_{k}"][b], runs[f"ddp_{k}"][b]
-            cells += [f"{ours * 1e3:.2f}", f"{ddp * 1e3:.2f}", f"{runs[f'ddp_{k}'][-b] * 1e3:.2f}"]
+            submitted = [f"{runs[f'synk_{k}'][-b] * 1e3:.2f}"] if IN_FLIGHT > 0 else []
+            cells += [f"{ours * 1e3:.2f}", *submitted, f"{ddp * 1e3:.2f}", f"{runs[f'ddp_{k}'][-b] * 1e3:.2f}"]
             if k > 1:
                 cells += [f"{runs['synk_1'][b] / ours:.2f}x", f"{runs['ddp_1'][b] / ddp:.2f}x"]
         print("| " + " | ".join(cells) + " |")

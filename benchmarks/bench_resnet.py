@@ -77,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=None, help="largest GPU count of the scaling rows (default: all)")
     parser.add_argument("--skip", default="", help="comma-separated rows to skip: plain, synk, torch, ddp")
     parser.add_argument("--in-flight", type=int, default=0,
-                        help="synk rows: submit each step (Function.submit) with this many calls in flight, reading "
-                             "every step's loss as it completes (0: synchronous calls)")
+                        help="synk rows: beside the synchronous step, the step submitted (TrainFunction.submit, "
+                             "pipelined on the JAX engine) with this many calls in flight, every step's loss read "
+                             "through its future as it completes (0: the synchronous rows alone)")
     parser.add_argument("--dry-run", action="store_true", help="tiny network on CPU: checks the code, no figures")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -216,7 +217,9 @@ def plain_times(f: Any, xb: Any, yb: Any, args: argparse.Namespace, use_jax: boo
 
 def synk_worker(args: argparse.Namespace, n: int, use_gpu: bool, policy: str = "default") -> dict[str, float]:
     """``{str(batch): seconds per step}`` of synk_lasagne's training function on ``n`` ranks under the
-    precision ``policy`` (and ``JAX_DEFAULT_MATMUL_PRECISION`` in the environment of the workers)."""
+    precision ``policy`` (and ``JAX_DEFAULT_MATMUL_PRECISION`` in the environment of the workers), the
+    loss read every step; with ``--in-flight``, also ``{f"{batch} submitted": ...}``, the steps
+    submitted and every loss read through its future, up to ``in_flight`` steps late."""
     import pytensor
 
     import synkhronos as synk
@@ -242,23 +245,22 @@ def synk_worker(args: argparse.Namespace, n: int, use_gpu: bool, policy: str = "
             train(batch_s=rows)
             print(f"synk {n} rank(s) batch {batch}: first step (compilation) {time.perf_counter() - t0:.1f} s",
                   flush=True)
+            times[str(batch)] = timed(lambda rows=rows: float(train(batch_s=rows)), args.warmup, args.steps,
+                                      finish=lambda: synk.get_value(0, params[-1]))
             if args.in_flight > 0:  # the loss of every step read when it completes, up to in_flight steps late
                 pending: collections.deque[Any] = collections.deque()
 
                 def step(rows: slice = rows, pending: collections.deque[Any] = pending) -> None:
-                    pending.append(train.function.submit(batch_s=rows))
+                    pending.append(train.submit(batch_s=rows))
                     if len(pending) >= args.in_flight:
-                        float(np.asarray(pending.popleft().result()).ravel()[0])
+                        float(pending.popleft().result())
 
                 def finish(pending: collections.deque[Any] = pending) -> None:
                     while pending:
-                        pending.popleft().result()
+                        float(pending.popleft().result())
                     synk.get_value(0, params[-1])
 
-                times[str(batch)] = timed(step, args.warmup, args.steps, finish=finish)
-            else:
-                times[str(batch)] = timed(lambda rows=rows: train(batch_s=rows), args.warmup, args.steps,
-                                          finish=lambda: synk.get_value(0, params[-1]))
+                times[f"{batch} submitted"] = timed(step, args.warmup, args.steps, finish=finish)
         return times
     finally:
         synk.close()
@@ -408,7 +410,7 @@ def collect(args: argparse.Namespace, devices: list[str], use_gpu: bool) -> list
         for precision in args.precision_list:
             add(name, precision, 1, plain, precision + " {batch}")
             add(f"{name} (async)", precision, 1, plain, precision + " {batch} async")
-    counts = gpu_counts(len(devices)) if use_gpu else [1, 2]
+    counts = gpu_counts(len(devices)) if use_gpu else [2]  # a dry run: the 2-rank row checks the same code as 1
     for precision in args.precision_list:
         if "synk" not in args.skip_set:
             for n in counts:
@@ -416,6 +418,9 @@ def collect(args: argparse.Namespace, devices: list[str], use_gpu: bool) -> list
                     work = (args, n, use_gpu, POLICIES[precision])
                     seconds = in_child(synk_worker, work, devices) if use_gpu else synk_worker(*work)
                 add(f"synk {n} rank{'s' if n > 1 else ''}", precision, n, seconds, "{batch}")
+                if args.in_flight > 0:
+                    add(f"synk {n} rank{'s' if n > 1 else ''} (submitted, {args.in_flight} in flight)", precision, n,
+                        seconds, "{batch} submitted")
         if "torch" not in args.skip_set and torch_available():
             device = "cuda" if use_gpu else "cpu"
             seconds = in_child(torch_worker, (args, precision, device), one) if use_gpu else \

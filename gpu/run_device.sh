@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | inflight | resnet-inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -210,9 +210,16 @@ if [ "$what" = inflight ]; then
   SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 200 python3 -m pytest -p no:cacheprovider -q -rs \
     $T/test_synk_inflight.py $T/test_synk_gradient_rule.py $T/test_synk_precision.py $T/test_synk_engine_gpu.py 2>&1 \
     | tail -n 15 | tee "$OUT/gpu_inflight_tests.log" || status=1
-  SYNK_BENCH_PARTS=allreduce,tiny,tf32 timeout 200 python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu_sync.log" || status=1
-  SYNK_BENCH_PARTS=tf32 SYNK_BENCH_IN_FLIGHT=2 timeout 150 python3 benchmarks/bench_gpu.py 2>&1 \
+  # one table: the MLP step synchronous and submitted (pipelined, 2 in flight, every loss read through its
+  # future) beside plain PyTensor JAX on 1 GPU and DDP with and without its per-step sync
+  SYNK_BENCH_PARTS=allreduce,tiny,tf32 SYNK_BENCH_IN_FLIGHT=2 timeout 300 python3 benchmarks/bench_gpu.py 2>&1 \
     | tee "$OUT/bench_gpu_inflight.log" || status=1
+fi
+# ResNet-50 on one GPU (TF32, batch 128): synk 1 rank synchronous and submitted (2 in flight, every loss read
+# through its future) beside plain PyTensor JAX reading the loss every step and once at the end (async)
+if [ "$what" = resnet-inflight ]; then
+  timeout 560 python3 benchmarks/bench_resnet.py --gpus 1 --batches "${BATCHES:-128}" --precisions tf32 --skip torch,ddp \
+    --in-flight 2 2>&1 | tee "$OUT/bench_resnet_inflight.log" || status=1
 fi
 # PyMC on the machine's CPU cores (synkhronos.pymc, float64 as PyMC computes), in one call of at most about 9
 # minutes: the likelihood's cost per evaluation at 1,000,000 rows (PyMC's own function; the split one at RANKS_PYMC

@@ -28,6 +28,8 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,25 +248,64 @@ def test_shell_blocks_name_real_sessions_and_paths():
 
 # --- every program --------------------------------------------------------------------------------
 
-@pytest.mark.job
-@pytest.mark.timeout(TIMEOUT + 30)
-@pytest.mark.parametrize("block", PROGRAMS, ids=[b.where for b in PROGRAMS])
-def test_example_runs(block, tmp_path):
+@dataclass
+class Run:
+    """One example's run: its exit status, output and process id (or the time it ran over)."""
+
+    returncode: int | None
+    out: str
+    err: str
+    pid: int
+
+
+def _run_example(block: Block, folder: Path) -> Run:
     path, source = _source(block)
     if path is None:
-        path = tmp_path / "example.py"
+        path = folder / "example.py"
         path.write_text(source)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, str(path)], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, str(path)], cwd=folder, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
+        return Run(None, out, err, proc.pid)
+    return Run(proc.returncode, out, err, proc.pid)
+
+
+EXAMPLES_AT_ONCE = min(2, os.cpu_count() or 1)
+"""Examples that run side by side.  Each is a fresh interpreter whose time goes mostly to imports
+and compilation, mostly one process at a time, so that two at once keep the 2-core CI machine's
+cores busy."""
+
+
+@pytest.fixture(scope="module")
+def example_runs(request, tmp_path_factory) -> Iterator[dict[str, Future[Run]]]:
+    """Every selected example started on a pool of :data:`EXAMPLES_AT_ONCE` at the module's first
+    example test, so that the next runs while a test checks its own; by :attr:`Block.where`."""
+    selected = [item.callspec.params["block"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_example_runs" and hasattr(item, "callspec")]
+    with ThreadPoolExecutor(EXAMPLES_AT_ONCE, thread_name_prefix="docs-example") as pool:
+        runs = {b.where: pool.submit(_run_example, b, tmp_path_factory.mktemp("example")) for b in selected}
+        try:
+            yield runs
+        finally:
+            for future in runs.values():
+                future.cancel()
+
+
+@pytest.mark.job
+@pytest.mark.timeout(2 * TIMEOUT + 30)
+@pytest.mark.parametrize("block", PROGRAMS, ids=[b.where for b in PROGRAMS])
+def test_example_runs(block, example_runs):
+    run = example_runs[block.where].result()
+    out, err = run.out, run.err
+    if run.returncode is None:
         pytest.fail(f"the example of {block.where} ran over {TIMEOUT} s\n{out}\n{err}")
-    assert proc.returncode == 0, f"the example of {block.where} failed:\n{out}\n{err}"
-    assert _shm_entries(proc.pid) == [], f"the example of {block.where} left shared memory behind"
+    assert run.returncode == 0, f"the example of {block.where} failed:\n{out}\n{err}"
+    assert _shm_entries(run.pid) == [], f"the example of {block.where} left shared memory behind"
     for output in block.outputs:
         any_numbers = "any-numbers" in output.classes
         assert _tokens_match(output.content, out, any_numbers), (

@@ -95,6 +95,51 @@ def test_fit_over_host_data_matches_single_process(ranks, data, reference):
     assert trainer.fit((x_data, y_data), epochs=1)[0]["epoch"] == 3  # epochs keep counting
 
 
+def test_submitted_steps_equal_synchronous_steps_bit_for_bit(ranks, data, monkeypatch):
+    """The Trainer submits its steps (reading each loss up to the window's depth later) and
+    ``TrainFunction.submit`` returns futures: the same losses and parameters, bit for bit, as the
+    same steps called one by one."""
+    _, _, x_data, y_data = data
+    spans = [(a, min(a + 8, N_ROWS)) for a in range(0, N_ROWS, 8)]
+    made = []
+
+    def build():
+        xs, ys, params, loss, accuracy = model()
+        train = make_train_function(loss, params, [xs, ys], updates.adam, learning_rate=0.01,
+                                    outputs={"accuracy": accuracy}, function_kwargs=FAST)
+        made.append(train)
+        return params, train
+
+    params, train = build()
+    sync = [train(x_data, y_data, batch=slice(a, b)) for _ in range(2) for a, b in spans]
+    sync_params = [synk.gather(p, nd_up=1) for p in params]
+
+    submitted = []
+    real_submit = synk.Function.submit
+    monkeypatch.setattr(synk.Function, "submit", lambda f, *a, **k: submitted.append(1) or real_submit(f, *a, **k))
+    params, train = build()
+    futures = [train.submit(x_data, y_data, batch=slice(a, b)) for a, b in spans]
+    assert [[float(v) for v in f.result()] for f in futures] == [[float(v) for v in s] for s in sync[:len(spans)]]
+    assert len(submitted) == len(spans) - 1  # the first step runs synchronously (it compiles)
+
+    class Losses(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, trainer, step, outputs):
+            self.seen.append((step, outputs["loss"], outputs["accuracy"]))
+
+    params, train = build()
+    losses = Losses()
+    before = len(submitted)
+    quiet(train, batch_size=8, shuffle=False, callbacks=[losses]).fit((x_data, y_data), epochs=2)
+    assert len(submitted) - before == 2 * len(spans) - 2  # all but the first step of each size (8, 5 rows)
+    assert [s for s, _, _ in losses.seen] == list(range(1, 2 * len(spans) + 1))
+    assert [(v, a) for _, v, a in losses.seen] == [(float(v), float(a)) for v, a in sync]
+    for p, expected in zip(params, sync_params):
+        assert all(np.array_equal(g, e) for g, e in zip(synk.gather(p, nd_up=1), expected)), p.name
+
+
 def test_drop_last_skips_the_last_smaller_batch_and_matches_single_process(ranks, data, reference):
     x, y, x_data, y_data = data
     xs, ys, params, loss, _ = model()

@@ -6,6 +6,7 @@ both when it closes)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 from synk_testutil import worker_pids
 
 import synkhronos as synk
-from synkhronos import ops
+from synkhronos import inflight, ops
 from synkhronos.inflight import Window
 from synkhronos.runtime import current
 
@@ -98,9 +99,11 @@ def test_operations_come_after_pending_calls(ranks):
         synk.broadcast(c)
         gate = _gated(window)
         early = inc.submit(ones)
+        opener = threading.Timer(0.2, gate.set)  # opens the gate while set_value waits
+        opener.start()
         ones.set_value(np.full((6, 2), 2.0, dtype=FLOAT))  # waits for ``early``, which reads the old rows
-        gate.set()
-        assert float(early.result()) == 12.0
+        opener.join()
+        assert early.done() and float(early.result()) == 12.0
         assert float(inc(ones)) == 24.0
         assert np.array_equal(synk.get_value(ranks - 1, c), np.full(2, 2.0))
 
@@ -130,6 +133,127 @@ def test_a_failing_call_cancels_the_queue_and_leaves_the_group_usable(ranks):
     assert np.array_equal(f(d), expected)
 
 
+def test_a_call_failing_in_the_workers_mid_window(ranks):
+    """A failure that the workers find (a ``batch_s`` index beyond the sliceable rows) while the call
+    before it is pipelined on the JAX engine: that call completes, the failing one raises what the
+    synchronous call raises, the ones behind it are cancelled and change nothing."""
+    s = pytensor.shared(np.arange(8.0, dtype=FLOAT).reshape(4, 2), name="s")
+    c = pytensor.shared(np.zeros((), dtype=FLOAT), name="c")
+    g = synk.function([], outputs=(s.sum(), "sum"), updates=[(c, c + 1)], sliceable_shareds=[s])
+    with pytest.raises(synk.SelectionError) as sync_error:
+        g(batch_s=[0, 1, 99])
+    with wide_window() as window:
+        gate = _gated(window)
+        before = [g.submit(batch_s=slice(1, 3)) for _ in range(2)]
+        bad = g.submit(batch_s=[0, 1, 99])
+        after = [g.submit(batch_s=slice(0, 2)) for _ in range(2)]
+        gate.set()
+        assert [float(b.result()) for b in before] == [ranks * 14.0] * 2
+        with pytest.raises(synk.SelectionError) as error:
+            bad.result()
+        assert str(error.value) == str(sync_error.value)
+        for a in after:
+            with pytest.raises(CancelledError) as cancelled:
+                a.result()
+            assert cancelled.value.__cause__ is error.value
+        assert float(g.submit(batch_s=slice(0, 2)).result()) == ranks * 6.0
+    assert all(float(synk.get_value(r, c)) == 3.0 for r in range(ranks))
+
+
+def test_a_call_failing_while_it_runs_cancels_the_call_dispatched_behind_it(ranks):
+    """A call whose computation fails in every rank (on the JAX engine a host callback inside its
+    program: on GPUs seen when its outputs are read, while the next call's command runs and that
+    call is dispatched already; JAX's CPU device raises it when dispatching): its future raises
+    what the synchronous call raises, the calls behind it are cancelled, and the group goes on."""
+    if current().driver.name != "jax":
+        pytest.skip("the per-rank engine's failures: test_a_failing_call_cancels_the_queue_...")
+    from synk_engine_ops import Stall
+
+    x = pt.vector("x")
+    fails = x
+    for r in range(ranks):  # each rank's own Stall raises on a negative sum
+        fails = Stall(0.0, fail_rank=r)(fails)
+    f = synk.function([x], outputs=(fails.sum(), "sum"))
+    good, bad = synk.data(np.ones(2 * ranks, dtype=FLOAT)), synk.data(-np.ones(2 * ranks, dtype=FLOAT))
+    assert float(f(good)) == 2.0 * ranks
+    with pytest.raises(Exception) as sync_error:
+        f(bad)
+    with wide_window() as window:
+        gate = _gated(window)
+        before = [f.submit(good) for _ in range(2)]
+        failing = f.submit(bad)
+        after = [f.submit(good) for _ in range(2)]
+        gate.set()
+        assert [float(b.result()) for b in before] == [2.0 * ranks] * 2
+        with pytest.raises(Exception) as error:
+            failing.result()
+        assert type(error.value) is type(sync_error.value) and "fails on purpose" in str(error.value)
+        for a in after:
+            with pytest.raises(CancelledError) as cancelled:
+                a.result()
+            assert cancelled.value.__cause__ is error.value
+        assert float(f.submit(good).result()) == 2.0 * ranks
+    assert float(f(good)) == 2.0 * ranks
+
+
+def test_jax_engine_pipelines_submitted_calls(ranks, monkeypatch):
+    """On the JAX engine a submitted call's command brings back the call before it: after two
+    submits, the first is done while the second's outputs are still held by the workers (fetched
+    when someone waits, or after IDLE_FETCH_S without a new call)."""
+    rt = current()
+    if rt.driver.name != "jax":
+        pytest.skip("the per-rank engine runs submitted calls one by one")
+    x = pt.matrix("x")
+    f = synk.function([x], outputs=(x.sum(), "sum"))
+    d = synk.data(np.ones((4, 2), dtype=FLOAT))
+    monkeypatch.setattr(inflight, "IDLE_FETCH_S", 30.0)
+    first, second = f.submit(d), f.submit(d)
+    assert float(first.result(timeout=10)) == 8.0
+    time.sleep(0.05)  # the dispatch thread is idle now, holding the second call pipelined
+    assert not second.done() and rt.engine.pipelined is not None
+    assert float(second.result(timeout=10)) == 8.0 and rt.engine.pipelined is None
+    monkeypatch.setattr(inflight, "IDLE_FETCH_S", 0.01)
+    third = f.submit(d)
+    done, _ = concurrent.futures.wait([third], timeout=10)  # no result(): fetched after the idle time
+    assert third in done and float(third.result()) == 8.0
+
+
+def test_window_orders_deferred_calls_and_cancels_after_a_late_failure():
+    """The window alone, with a fake engine: a deferred call resolved by the next call's command
+    completes first; a deferred call that fails when the next call runs fails with its error, that
+    next call raises CancelledError chained to it, and the rest are cancelled."""
+    window = Window(5)  # the gate and four calls
+    held: list[tuple[int, inflight.Deferred]] = []
+    boom = RuntimeError("call 2 failed on the device")
+
+    def call(i: int):
+        def run():
+            if held:
+                j, d = held.pop()
+                if j == 2:
+                    d.fail(boom)
+                    raise CancelledError("cancelled") from boom
+                d.resolve(j)
+            d = inflight.Deferred(lambda: held and held.pop()[1].resolve(-1))
+            held.append((i, d))
+            return d.then(lambda v: v * 10)
+        return run
+
+    gate = _gated(window)
+    futures = [window.submit(call(i)) for i in range(1, 5)]
+    gate.set()
+    assert futures[0].result(timeout=10) == 10
+    with pytest.raises(RuntimeError) as error:
+        futures[1].result(timeout=10)
+    assert error.value is boom
+    for f in futures[2:]:
+        with pytest.raises(CancelledError) as cancelled:
+            f.result(timeout=10)
+        assert cancelled.value.__cause__ is boom
+    assert window.submit(call(5)).result(timeout=10) == -10  # fetched: the group goes on
+    window.close()
+
+
 def test_max_in_flight_is_checked_and_bounds_the_window():
     with pytest.raises(ValueError, match="max_in_flight"):
         Window(0)
@@ -146,24 +270,43 @@ def test_max_in_flight_is_checked_and_bounds_the_window():
     window.close()
 
 
-def test_worker_killed_with_calls_in_flight(ranks):
+def test_worker_killed_with_calls_in_flight(ranks, monkeypatch):
     """Last in the module: it ends the group (the fixture then checks that no worker process and
-    no shared-memory object is left)."""
+    no shared-memory object is left).  On the JAX engine a first call is held pipelined in the
+    workers when the worker dies: it fails with WorkerDiedError and every call behind it is
+    cancelled; on the per-rank engine the first queued call fails."""
     x = pt.matrix("x")
     f = synk.function([x], outputs=(x.sum(), "sum"))
     d = synk.data(np.ones((8, 2), dtype=FLOAT))
     assert float(f(d)) == 16.0
-    with wide_window() as window:
-        gate = _gated(window)
-        pending = [f.submit(d) for _ in range(4)]
+    rt = current()
+    if rt.driver.name == "jax":  # the default window: one call held by the workers, the next one sent
+        monkeypatch.setattr(inflight, "IDLE_FETCH_S", 30.0)
+        held = f.submit(d)
+        deadline = time.monotonic() + 10
+        while rt.engine.pipelined is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rt.engine.pipelined is not None and not held.done()
         os.kill(worker_pids()[-1], signal.SIGKILL)
         t0 = time.monotonic()
-        gate.set()
+        behind = f.submit(d)
         with pytest.raises(synk.WorkerDiedError):
-            pending[0].result(timeout=5)
-        for p in pending[1:]:
-            with pytest.raises(CancelledError):
-                p.result(timeout=5)
+            held.result(timeout=5)
+        with pytest.raises(CancelledError):
+            behind.result(timeout=5)
         assert time.monotonic() - t0 < 5
+    else:
+        with wide_window() as window:
+            gate = _gated(window)
+            pending = [f.submit(d) for _ in range(4)]
+            os.kill(worker_pids()[-1], signal.SIGKILL)
+            t0 = time.monotonic()
+            gate.set()
+            with pytest.raises(synk.WorkerDiedError):
+                pending[0].result(timeout=5)
+            for p in pending[1:]:
+                with pytest.raises(CancelledError):
+                    p.result(timeout=5)
+            assert time.monotonic() - t0 < 5
     with pytest.raises(RuntimeError, match="closed"):
         f.submit(d)

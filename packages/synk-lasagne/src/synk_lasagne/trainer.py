@@ -39,6 +39,7 @@ Example
 
 from __future__ import annotations
 
+import collections
 import csv
 import json
 import logging
@@ -47,6 +48,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -73,6 +75,14 @@ def _rank_count() -> int:
 
     rt = current()
     return rt.size if rt is not None and not rt.group.closed else 1
+
+
+def _window_depth() -> int:
+    """The group's ``max_in_flight`` (1 when not forked: nothing to overlap)."""
+    from synkhronos.runtime import current
+
+    rt = current()
+    return rt.window.max_in_flight if rt is not None and not rt.group.closed else 1
 
 
 def _master_only(what: str) -> None:
@@ -906,25 +916,43 @@ class Trainer:
         bar = tqdm(total=total, desc=f"epoch {epoch}", unit="sample", unit_scale=True, leave=False,
                    disable=None if self.progress is None else not self.progress, mininterval=0.5)
         t0 = time.perf_counter()
+        lag = _window_depth() - 1
+        pending: collections.deque[tuple[Future[Any], int, int]] = collections.deque()
+
+        def finish(future: Future[Any], n: int, step: int) -> None:
+            nonlocal rows
+            out = future.result()
+            values = [float(np.asarray(v)) for v in ([out] if len(names) == 1 else out)]
+            sums[:] += [v * n for v in values]
+            rows += n
+            bar.update(n)
+            bar.set_postfix(loss=f"{sums[0] / rows:.4f}", refresh=False)
+            for cb in self.callbacks:
+                cb.on_step_end(self, step, dict(zip(names, values)))
+
         try:
             for kwargs, n in batches:
                 step = self.step + 1
                 for cb in self.callbacks:
                     cb.on_step_begin(self, step)
+                if n in self._sizes:  # submitted: its loss is read up to ``lag`` steps later
+                    pending.append((self.train_fn.submit(*train, **kwargs), n, step))
+                    self.step = step
+                    while len(pending) > lag:
+                        finish(*pending.popleft())
+                    continue
+                while pending:  # a step of a new size compiles: timed alone, after the steps before it
+                    finish(*pending.popleft())
                 ts = time.perf_counter()
-                out = self.train_fn(*train, **kwargs)
-                values = [float(np.asarray(v)) for v in ([out] if len(names) == 1 else out)]
-                if n not in self._sizes:
-                    warmup_seconds += time.perf_counter() - ts
-                    warmup_rows += n
-                    self._sizes.add(n)
+                done: Future[Any] = Future()
+                done.set_result(self.train_fn(*train, **kwargs))
+                warmup_seconds += time.perf_counter() - ts
+                warmup_rows += n
+                self._sizes.add(n)
                 self.step = step
-                sums += [v * n for v in values]
-                rows += n
-                bar.update(n)
-                bar.set_postfix(loss=f"{sums[0] / rows:.4f}", refresh=False)
-                for cb in self.callbacks:
-                    cb.on_step_end(self, step, dict(zip(names, values)))
+                finish(done, n, step)
+            while pending:
+                finish(*pending.popleft())
         finally:
             bar.close()
         seconds = time.perf_counter() - t0

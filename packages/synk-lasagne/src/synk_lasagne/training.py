@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 import numpy as np
@@ -125,6 +126,9 @@ class TrainFunction:
         self.sliceable_shareds = sliceable_shareds
         self._build_sliced = build_sliced
         self._sliced: tuple[Any, Any, Any] | None = None
+        self._whole: bool | None = None
+        """Whether a call of :attr:`function` ran (True) or the engine refused it as one program
+        (False); None before the first call (see :meth:`submit`)."""
 
     @property
     def precision(self) -> str:
@@ -191,16 +195,87 @@ class TrainFunction:
         """
         if _empty(batch):
             raise ValueError("the batch is empty: a training step needs at least one row")
-        step = self.function if num_slices == 1 and in_graph_all_reduce_pays(self.own_mode) else self.chain
+        whole = num_slices == 1 and in_graph_all_reduce_pays(self.own_mode)
+        step = self.function if whole else self.chain
         try:
             out = step(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
         except NotOneProgramError:  # the JAX engine, a call it cannot run as one program (uneven shares with
             # sliceable shared variables, a random generator): refused before any rank acted
+            self._whole = False
             out = self.chain(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named)
+        else:
+            if whole and self._whole is None:
+                self._whole = True
+        return self._shape(out)
+
+    def _shape(self, out: Any) -> Any:
         return out[0] if len(self.output_names) == 1 else out
+
+    def submit(self, *data: Any, batch: Any = None, batch_s: Any = None, num_slices: int = 1,
+               **named: Any) -> Future[Any]:
+        """One step, submitted (:meth:`synkhronos.Function.submit`): returns at once a
+        :class:`concurrent.futures.Future` of what :meth:`__call__` returns.
+
+        Steps run in submission order with at most ``max_in_flight`` (a :func:`synkhronos.fork`
+        option) pending; on the JAX engine the next step's program is dispatched while this one
+        runs (see the GPU guide).  The parameters after submitted steps are those after the same
+        synchronous steps, bit for bit.
+
+        The step is submitted when it runs as :attr:`function` (one call: ``num_slices=1``, see
+        :func:`in_graph_all_reduce_pays`), the engine ran an earlier step of it so (the first step
+        is synchronous: it compiles, and tells whether the JAX engine takes the step as one program),
+        and it reads no sliceable shared variables or reads them through a ``batch_s`` slice (the same
+        rows in every rank; other selections the JAX engine runs as :attr:`chain`).
+        Otherwise it runs synchronously here and the future returned is done.
+
+        Raises
+        ------
+        ValueError
+            For an empty batch; the step's own errors are raised by its future.
+        """
+        if _empty(batch):
+            raise ValueError("the batch is empty: a training step needs at least one row")
+        if (num_slices == 1 and self._whole and (not self.sliceable_shareds or type(batch_s) is slice)
+                and in_graph_all_reduce_pays(self.own_mode)):
+            return _StepFuture(self.function.submit(*data, batch=batch, batch_s=batch_s, **named), self._shape)
+        done: Future[Any] = Future()
+        try:
+            done.set_result(self(*data, batch=batch, batch_s=batch_s, num_slices=num_slices, **named))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
 
     def __repr__(self) -> str:
         return f"<synk_lasagne.TrainFunction of {len(self.params)} params, outputs {self.output_names}>"
+
+
+class _StepFuture(Future):  # type: ignore[type-arg]
+    """A submitted step's future: the Synkhronos call's future, its result shaped as the step's."""
+
+    def __init__(self, inner: Future[Any], shape: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._shape = shape
+        self.set_running_or_notify_cancel()
+        inner.add_done_callback(self._copy)
+
+    def _copy(self, inner: Future[Any]) -> None:
+        if inner.cancelled():
+            self.set_exception(CancelledError("the step was cancelled"))
+            return
+        exc = inner.exception()
+        if exc is not None:
+            self.set_exception(exc)
+        else:
+            self.set_result(self._shape(inner.result()))
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            try:  # waiting on the call's own future asks the window for it (a fetch where needed)
+                self._inner.result(timeout)
+            except BaseException:  # raised below, from this future
+                pass
+        return super().result(timeout)
 
 
 def in_graph_all_reduce_pays(own_mode: bool = False) -> bool:

@@ -34,7 +34,7 @@ from synkhronos.errors import SelectionError
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime
 
-__all__ = ["CallPlan", "SelectionError", "compute", "decode", "encode", "execute", "needs_selection_barrier",
+__all__ = ["DEFER", "CallPlan", "SelectionError", "compute", "decode", "encode", "execute", "needs_selection_barrier",
            "rank_inputs"]
 
 
@@ -45,7 +45,11 @@ HEADER = 9
 FITS = 8
 """The header slot the JAX engine's master sets to 1 when a call's sliceable shared variables are
 known to fit it in every rank, so that the ranks skip comparing them (:func:`synkhronos.engine.master.call`);
-0 as :func:`encode` writes it."""
+0 as :func:`encode` writes it.  Bit :data:`DEFER` of the same slot: the call is pipelined (see
+:mod:`synkhronos.engine.worker`).  Only bit 1 means "fits"."""
+DEFER = 2
+"""The bit of slot :data:`FITS` that marks a pipelined call of the JAX engine: the workers dispatch it
+and reply its outputs with the next command (:mod:`synkhronos.inflight`)."""
 
 
 @dataclass

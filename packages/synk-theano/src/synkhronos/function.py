@@ -27,6 +27,7 @@ from synkhronos import calls, data_registry
 from synkhronos.distribution import ensure_distributed
 from synkhronos.engine.phases import PHASES
 from synkhronos.errors import DivergentGradientError
+from synkhronos.inflight import Deferred
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, current, describe, get_runtime
 from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
@@ -172,9 +173,11 @@ class Function:
         ``submit`` blocks while the window is full.  Every other operation of the group (a
         collective, ``get_value``/``set_value``, a Data's ``set_value``/resize/free,
         ``distribute``, ``close``, a synchronous call) waits for the pending calls first.  A call
-        that fails cancels the calls submitted before its failure that had not started (their
-        futures raise :class:`concurrent.futures.CancelledError` whose ``__cause__`` is the
-        failure); the group stays usable.  See :mod:`synkhronos.inflight`.
+        that fails cancels the calls submitted before its failure was seen whose results had not
+        come back (their futures raise :class:`concurrent.futures.CancelledError` whose
+        ``__cause__`` is the failure); the group stays usable.  On the JAX engine the calls are
+        pipelined: the workers dispatch a call's program while the one before it runs.  See
+        :mod:`synkhronos.inflight`.
 
         Do not write into a Data that a pending call reads (``d[:] = ...``) before its future
         is done: its contents are read when the call runs.
@@ -204,13 +207,14 @@ class Function:
                 get_runtime()  # the RuntimeError that says the group is closed
             if PHASES is not None:
                 PHASES.begin()
-            return self._run_now(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
+            return self._run_now(rt, args, kwargs, output_subset, batch, batch_s, num_slices, defer=True)
 
         return rt.window.submit(run)
 
     def _run_now(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any, batch: Any,
-                 batch_s: Any, num_slices: Any) -> Any:
-        """The call itself, in this thread: the plan (kept, or checked and made), then the engine."""
+                 batch_s: Any, num_slices: Any, defer: bool = False) -> Any:
+        """The call itself, in this thread: the plan (kept, or checked and made), then the engine;
+        ``defer`` (a submitted call): the result may be a :class:`~synkhronos.inflight.Deferred`."""
         key = self._plan_key(args, kwargs, output_subset, batch, batch_s, num_slices)
         known = None if key is None else self._known_plan(rt, key)
         if known is not None:
@@ -221,7 +225,10 @@ class Function:
             plan = self._prepare(rt, args, kwargs, self._subset(output_subset), batch, batch_s, num_slices)
             if key is not None:
                 known = self._remember(rt, key, plan, index_batch=type(batch) is np.ndarray)
-        return self._shape(rt.driver.call(rt, self._replica, plan, None if known is None else known[4]), plan)
+        out = rt.driver.call(rt, self._replica, plan, None if known is None else known[4], defer)
+        if isinstance(out, Deferred):
+            return out.then(lambda results: self._shape(results, plan))
+        return self._shape(out, plan)
 
     # -- known plans: a call like an earlier one skips its checks --------------------------------
     @staticmethod

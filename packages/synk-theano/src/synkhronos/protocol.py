@@ -13,13 +13,14 @@ Both engines
     resized or freed.
 JAX engine
     :data:`ENGINE_JOIN` join JAX's runtime, :data:`ENGINE_CALL` a call as one program (or per rank),
-    :data:`ENGINE_VALUE` read / set shared values, :data:`ENGINE_COLLECT` a collective as a program.
+    :data:`ENGINE_VALUE` read / set shared values, :data:`ENGINE_COLLECT` a collective as a program,
+    :data:`ENGINE_FETCH` the outputs of a pipelined call that no later call brought back.
 """
 
 from __future__ import annotations
 
 __all__ = ["CALL", "CHAIN", "COLLECTIVE", "DATA_UPDATE", "DISTRIBUTE", "ENGINE_CALL", "ENGINE_COLLECT",
-           "ENGINE_JOIN", "ENGINE_VALUE"]
+           "ENGINE_FETCH", "ENGINE_JOIN", "ENGINE_VALUE"]
 
 CALL = "synkhronos.call"
 CHAIN = "synkhronos.chain"
@@ -30,3 +31,4 @@ ENGINE_JOIN = "synkhronos.engine.join"
 ENGINE_CALL = "synkhronos.engine.call"
 ENGINE_VALUE = "synkhronos.engine.value"
 ENGINE_COLLECT = "synkhronos.engine.collect"
+ENGINE_FETCH = "synkhronos.engine.fetch"

@@ -40,10 +40,10 @@ from __future__ import annotations
 import os
 
 from synkhronos.errors import NotOneProgramError
-from synkhronos.protocol import ENGINE_CALL, ENGINE_COLLECT, ENGINE_JOIN, ENGINE_VALUE
+from synkhronos.protocol import ENGINE_CALL, ENGINE_COLLECT, ENGINE_FETCH, ENGINE_JOIN, ENGINE_VALUE
 
-__all__ = ["CALL", "COLLECT", "ENGINES", "ENV", "JOIN", "NotOneProgramError", "PER_RANK", "PROGRAM", "RESHAPED",
-           "VALUE", "choose"]
+__all__ = ["CALL", "COLLECT", "ENGINES", "ENV", "FETCH", "JOIN", "NotOneProgramError", "PER_RANK", "PROGRAM",
+           "RESHAPED", "VALUE", "choose"]
 
 ENGINES = ("ranks", "jax")
 """``"jax"``: one program over every rank on JAX's multi-process runtime (this package), GPU mode's
@@ -59,6 +59,7 @@ JOIN = ENGINE_JOIN
 CALL = ENGINE_CALL
 VALUE = ENGINE_VALUE
 COLLECT = ENGINE_COLLECT
+FETCH = ENGINE_FETCH
 PROGRAM = 1
 """A call's reply form: it ran as one program; compute rank 0 carries the combined outputs."""
 PER_RANK = 0

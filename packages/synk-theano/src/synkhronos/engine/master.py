@@ -17,21 +17,23 @@ value read stays in the master's variable, which is what ``get_value`` returns a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError
 from typing import Any
 
 import numpy as np
 
 from synkhronos import calls
-from synkhronos.engine import CALL, PER_RANK, PROGRAM, VALUE, NotOneProgramError
+from synkhronos.engine import CALL, FETCH, PER_RANK, PROGRAM, VALUE, NotOneProgramError
 from synkhronos.engine.launch import ABORT_GRACE_S
 from synkhronos.engine.phases import PHASES
 from synkhronos.engine.program import STACKED, _output_form, fit_reason, per_rank_reason, shares
+from synkhronos.inflight import Deferred
 from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, settled
 
-__all__ = ["Orchestrator", "call", "device_memory", "read_value", "settle", "write_value"]
+__all__ = ["Orchestrator", "call", "device_memory", "fetch", "read_value", "settle", "write_value"]
 
 log = logging.getLogger("synkhronos")
 
@@ -50,6 +52,8 @@ class Orchestrator:
         self.fits: set[bytes] = set()
         """The plans (scratch slots) of calls whose sliceable shared variables the ranks found to fit
         one program, valid while :attr:`quiet_at` says that nothing has changed them since."""
+        self.pipelined: _Pipelined | None = None
+        """The last pipelined call, whose outputs the workers still hold (:func:`call` with ``defer``)."""
         self.quiet_at = -1
         """The group's command count (:attr:`synk_comm.Group.commands`) at the end of the last call that
         ran as one program and changed no shared variable's shape; -1 when the last command was another.
@@ -89,15 +93,49 @@ def reason_of(rep: Replica, plan: calls.CallPlan) -> str | None:
     return per_rank_reason(rep, plan)
 
 
-def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | None] | None = None) -> list[Any]:
+class _Pipelined:
+    """The master's record of a pipelined call whose outputs the workers still hold."""
+
+    def __init__(self, deferred: Deferred, rep: Replica, plan: calls.CallPlan, reason: str | None,
+                 translate: Callable[[BaseException], BaseException]) -> None:
+        self.deferred, self.rep, self.plan, self.reason, self.translate = deferred, rep, plan, reason, translate
+
+    def resolve(self, rt: Runtime, parts: list[list[Any]]) -> None:
+        """Its outputs came (every compute rank's reply, in rank order)."""
+        try:
+            results = _results(rt, self.rep, self.plan, self.reason, parts)
+        except BaseException as exc:
+            self.deferred.fail(exc)
+        else:
+            self.deferred.resolve(results)
+
+    def fail(self, exc: BaseException) -> None:
+        self.deferred.fail(self.translate(exc))
+
+
+def _same(exc: BaseException) -> BaseException:
+    return exc
+
+
+def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | None] | None = None,
+         defer: bool = False, translate: Callable[[BaseException], BaseException] = _same) -> Any:
     """Run a planned call on the workers; returns its outputs, combined, in the call's order.
     ``known``: the plan's :func:`reason_of`, from an earlier call of the same plan.
+
+    ``defer`` (the window's dispatch thread, :mod:`synkhronos.inflight`): the call is pipelined, and
+    where it runs as one program the result is a :class:`~synkhronos.inflight.Deferred`, resolved
+    with the next pipelined call's command or by :func:`fetch`.  The command of a pipelined call
+    brings back the outputs of the one before it.  ``translate``: how a worker's failure reaches the
+    future of a deferred call (what the synchronous call would raise).
 
     Raises
     ------
     NotOneProgramError
         A ValueError: the call cannot run as one program and the function's graph holds in-graph collectives
         (Ops marked ``synk_collective = True``), which only mean something inside the program.
+    concurrent.futures.CancelledError
+        A pipelined call whose previous call failed (its ``__cause__``); the previous call's future
+        raises the failure.
     """
     ph = PHASES
     if ph is not None:
@@ -110,23 +148,94 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | Non
                          "one program can run it (the reason says what stops it), or build the step without "
                          "in-graph collectives (synk.chain)")
     orchestrator = rt.engine
+    previous = orchestrator.pipelined
+    if previous is not None and not defer:
+        fetch(rt)
+        previous = None
     checking = orchestrator.fit_known(rt.group, rt.size, reason is None and bool(spec.sliceable))
-    with rt.group.command(CALL):
-        if checking is not None:  # the workers compare their sliceable variables' shapes
-            reason = fit_reason(rt.group.host.all_gather(np.empty(0, dtype=np.int64))[1:], plan)
-        # One program: a rank that fails leaves the others inside its collectives, to be stopped after
-        # a grace.  Per-rank programs: the others finish their shares, however long they take.
-        rt.group.abort_grace_s = ABORT_GRACE_S if reason is None else None
-        if reason is not None and calls.needs_selection_barrier(spec, plan):
-            rt.group.barrier()  # the workers check their sliceable rows, then meet (calls.execute)
+    if defer:
+        rt.group.scratch[calls.FITS] |= calls.DEFER
+    orchestrator.pipelined = None
+    try:
+        with rt.group.command(CALL):
+            if checking is not None:  # the workers compare their sliceable variables' shapes
+                reason = fit_reason(rt.group.host.all_gather(np.empty(0, dtype=np.int64))[1:], plan)
+            # One program: a rank that fails leaves the others inside its collectives, to be stopped after
+            # a grace.  Per-rank programs: the others finish their shares, however long they take.
+            rt.group.abort_grace_s = ABORT_GRACE_S if reason is None else None
+            if reason is not None and calls.needs_selection_barrier(spec, plan):
+                rt.group.barrier()  # the workers check their sliceable rows, then meet (calls.execute)
+    except BaseException as exc:
+        if previous is not None:
+            _after_failure(rt, previous, exc)
+        raise
     if ph is not None:
         ph.mark("command")
     replies = rt.group.replies()
     parts = [replies[r + 1] for r in range(rt.size)]  # compute rank r is group rank r + 1
+    pending = False
+    if defer:  # [lengths, *previous call's reply, *this call's]
+        lengths = [p[0] for p in parts]
+        if previous is not None:
+            previous.resolve(rt, [p[1:1 + int(n[0])] for p, n in zip(parts, lengths)])
+        pending = bool(lengths[0][2])
+        parts = [p[1 + int(n[0]):] for p, n in zip(parts, lengths)]
     form = int(parts[0][0])
     orchestrator.quiet_at = rt.group.commands if form == PROGRAM else -1
     if checking is not None and form == PROGRAM:
         orchestrator.fits.add(checking)
+    if pending:
+        deferred = Deferred(lambda: fetch(rt))
+        orchestrator.pipelined = _Pipelined(deferred, rep, plan, reason, translate)
+        return deferred
+    return _results(rt, rep, plan, reason, parts)
+
+
+def fetch(rt: Runtime) -> None:
+    """Bring back the outputs of the last pipelined call (:func:`call` with ``defer``) and resolve
+    its :class:`~synkhronos.inflight.Deferred`; nothing to do without one."""
+    previous = rt.engine.pipelined
+    if previous is None:
+        return
+    rt.engine.pipelined = None
+    quiet = rt.engine.quiet_at == rt.group.commands
+    try:
+        with rt.group.command(FETCH):
+            pass
+        replies = rt.group.replies()
+    except BaseException as exc:
+        previous.fail(exc)
+        return
+    if quiet:  # a fetch changes no shared variable: the plans known to fit still do
+        rt.engine.quiet_at = rt.group.commands
+    previous.resolve(rt, [replies[r + 1][1:] for r in range(rt.size)])
+
+
+def _after_failure(rt: Runtime, previous: _Pipelined, exc: BaseException) -> None:
+    """A pipelined call's command failed (``exc``) while the call before it was pending: which one
+    failed?  The workers kept the answer (the worker's ``FETCH`` handler).  If the earlier
+    one: it fails with ``exc`` and this one raises CancelledError; else the earlier one resolves and
+    ``exc`` is this call's (the caller raises it)."""
+    replies = None
+    if not rt.group.closed:
+        try:
+            with rt.group.command(FETCH):
+                pass
+            replies = rt.group.replies()
+        except BaseException as error:  # e.g. a worker died meanwhile
+            exc = error
+    if replies is None or any(int(replies[r + 1][0]) != 0 for r in range(rt.size)):
+        previous.fail(exc)
+        cancelled = CancelledError("cancelled: a call submitted before it failed")
+        raise cancelled from exc
+    previous.resolve(rt, [replies[r + 1][1:] for r in range(rt.size)])
+
+
+def _results(rt: Runtime, rep: Replica, plan: calls.CallPlan, reason: str | None, parts: list[list[Any]]) -> list[Any]:
+    """A call's outputs from every compute rank's reply (``[form, weight, *outputs]``; ``reason``:
+    why it may run per rank)."""
+    ph = PHASES
+    form = int(parts[0][0])
     if form != PER_RANK:
         counts = shares(rep, plan)
         if counts is None:  # every rank the same rows: the output forms are cached per subset

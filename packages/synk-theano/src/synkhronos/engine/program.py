@@ -326,6 +326,11 @@ class Program:
         self.reshaped = reshaped
         return list(outs[:self.n_out]) + list(outs[self.n_out + n_new:])
 
+    @property
+    def last(self) -> Any:
+        """What the last run returned (its outputs and updated values; () once waited for or forgotten)."""
+        return self._last
+
     def wait(self) -> None:
         """Until the last run has finished (its outputs and updated values)."""
         import jax

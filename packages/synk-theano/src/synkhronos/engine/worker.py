@@ -11,6 +11,11 @@ import this module through :mod:`synkhronos.worker`):
   per-rank program of :mod:`synkhronos.replica`.  Every worker replies ``[form, weight,
   *outputs]``: ``form`` ``PROGRAM`` (compute rank 0 alone carries the combined outputs) or
   ``PER_RANK`` (each rank its own share, combined by the master).
+  A *pipelined* call (bit :data:`~synkhronos.calls.DEFER` of the plan's flags slot, a submitted
+  call: :mod:`synkhronos.inflight`) is dispatched and held (:class:`Pending`); the rank replies
+  the outputs of the pipelined call before it, which it waits for only after this call's program
+  is queued behind it (``_call_pipelined``).
+* ``FETCH`` -- the outputs of the pipelined call held, when no call follows it (``_fetch``).
 * ``VALUE`` -- shared variables' values: read one rank's (``get``) or every rank's (``read``),
   set them (``assign``: the same in every rank, or one per rank); or every rank's device memory
   figures (``memory``).
@@ -26,7 +31,7 @@ import numpy as np
 
 from synk_comm import Group, handler
 from synkhronos import calls
-from synkhronos.engine import CALL, JOIN, PER_RANK, PROGRAM, RESHAPED, VALUE, launch, phases
+from synkhronos.engine import CALL, FETCH, JOIN, PER_RANK, PROGRAM, RESHAPED, VALUE, launch, phases
 from synkhronos.engine.device import EngineDevice
 from synkhronos.engine.phases import PHASES
 from synkhronos.engine.program import (
@@ -41,7 +46,7 @@ from synkhronos.engine.program import (
 )
 from synkhronos.runtime import Runtime, current, set_current
 
-__all__ = ["PIN_ENV", "Ranks", "pins_inputs"]
+__all__ = ["PIN_ENV", "Pending", "Ranks", "pins_inputs"]
 
 log = logging.getLogger("synkhronos")
 
@@ -78,6 +83,10 @@ class Ranks:
         """Whether :meth:`pin` registers memory (off where the device cannot, after the first failure)."""
         self.pinned: dict[int, int] = {}
         """Data id -> the address of its memory, registered with the device (0: too small to register)."""
+        self.pending: Pending | None = None
+        """The last pipelined call, dispatched and not replied yet (``_call_pipelined``)."""
+        self.ready: list[Any] | None = None
+        """What a failed pipelined command left for the master's fetch (``_fetch``)."""
         self.known: dict[bytes, tuple[calls.CallPlan, Any, Program, Any, np.ndarray]] = {}
         """A call's plan (its scratch slots, as bytes) -> what it decoded to: (plan, replica, program,
         batch_s window, the weight replied), for plans that ran as one program and need no check
@@ -176,11 +185,114 @@ def _join(group: Group, payload: tuple[str, bool]) -> None:
 def _call(group: Group, _payload: None) -> None:
     if group.is_master:
         return
+    rt = _runtime(group)
+    if int(group.scratch[calls.FITS]) & calls.DEFER:
+        _call_pipelined(group, rt)
+        return
+    done = _start(group, rt, pipelined=False)
+    group.reply(done.finish() if isinstance(done, Pending) else done)
+    if PHASES is not None:
+        PHASES.mark("reply")
+
+
+class Pending:
+    """A call dispatched by this rank and not replied yet (a pipelined call, or a synchronous one
+    between its dispatch and its reply): ``head`` (its form, and on compute rank 0 its weight),
+    compute rank 0's ``outputs`` (their copies to the host started), and everything the program
+    returns (``wait_for``: a rank without outputs to read waits for them, so that a failure inside
+    the program surfaces as this rank's exception; an updated value that a later call took over,
+    donated, is left to that call)."""
+
+    def __init__(self, head: list[np.ndarray], outputs: list[Any], wait_for: Any) -> None:
+        self.head = head
+        self.outputs = outputs
+        self.wait_for = wait_for
+
+    def finish(self) -> list[Any]:
+        """Wait for the call; its reply: the head, then the outputs as host arrays."""
+        if self.outputs:
+            values = [np.asarray(o) for o in self.outputs]
+            if PHASES is not None:
+                PHASES.mark("outputs")
+        else:
+            import jax
+
+            values = []
+            # an updated value donated to a later call is gone: that call's end implies this one's
+            jax.block_until_ready([x for x in self.wait_for if not x.is_deleted()])
+            if PHASES is not None:
+                PHASES.mark("wait")
+        self.wait_for = self.outputs = ()  # type: ignore[assignment]
+        return [*self.head, *values]
+
+
+_NOTHING = np.array(2)
+_FAILED = np.array(1)
+_READY = np.array(0)
+
+
+def _call_pipelined(group: Group, rt: Runtime) -> None:
+    """A pipelined call: dispatch it, then reply the previous pipelined call's outputs (waiting for
+    them while this call's program waits in the device queue behind it) and this call's head.
+
+    The reply: ``[lengths, *previous, *this]``, ``lengths`` = (parts of the previous call's reply,
+    parts of this call's, whether this call is still pending).  A call that runs per rank (not one
+    program) is run here and replied whole.  On a failure the rank raises (the command fails) and
+    keeps what the master fetches next (``_fetch``): the previous call's reply, or that the
+    previous call is what failed (this call is then dropped)."""
+    ranks = rt.engine
+    previous, ranks.pending, ranks.ready = ranks.pending, None, None
+    try:
+        this = _start(group, rt, pipelined=True)
+    except BaseException:
+        if previous is not None:
+            try:
+                ranks.ready = [_READY, *previous.finish()]
+            except BaseException:
+                ranks.ready = [_FAILED]
+                raise  # the earlier failure is the one to report
+        raise
+    before: list[Any] = []
+    if previous is not None:
+        try:
+            before = previous.finish()
+        except BaseException:
+            ranks.ready = [_FAILED]  # this call ran on what the failed one left: dropped
+            raise
+    if isinstance(this, Pending):
+        ranks.pending = this
+        group.reply([np.array([len(before), len(this.head), 1]), *before, *this.head])
+    else:
+        group.reply([np.array([len(before), len(this), 0]), *before, *this])
+    if PHASES is not None:
+        PHASES.mark("reply")
+
+
+@handler(FETCH)
+def _fetch(group: Group, _payload: None) -> None:
+    """The outputs of the last pipelined call (``[0, *reply]``), or what a failed pipelined command
+    left (``_call_pipelined``: ``[0, *reply]`` of the call before it, ``[1]`` that call
+    failed), or ``[2]``: nothing held."""
+    if group.is_master:
+        return
+    ranks = _runtime(group).engine
+    pending, ready = ranks.pending, ranks.ready
+    ranks.pending = ranks.ready = None
+    if pending is not None:
+        group.reply([_READY, *pending.finish()])
+    else:
+        group.reply(ready if ready is not None else [_NOTHING])
+
+
+def _start(group: Group, rt: Runtime, pipelined: bool) -> Pending | list[Any]:
+    """Start the call whose plan is in the scratch slots: dispatched as one program (a
+    :class:`Pending`; its outputs' copies to the host start at once where ``pipelined``), or run
+    per rank (its reply, whole)."""
     ph = PHASES
     if ph is not None:
         ph.begin()
-    rt = _runtime(group)
     scratch = group.scratch
+    fits = bool(int(scratch[calls.FITS]) & 1)
     key = scratch[:calls.CallPlan.length_of(scratch, rt.size)].tobytes()
     known = rt.engine.known.get(key)
     if known is not None:  # the same plan as an earlier call that ran as one program
@@ -189,7 +301,7 @@ def _call(group: Group, _payload: None) -> None:
         plan = calls.decode(scratch, rt.size)
         rep = rt.replicas[plan.fid]
         reason = per_rank_reason(rep, plan)
-        if reason is None and rep.spec.sliceable and not scratch[calls.FITS]:  # do the sliceable variables fit
+        if reason is None and rep.spec.sliceable and not fits:  # do the sliceable variables fit
             # one program in every rank?  (Known when the master says so: their shapes are as when it was checked)
             reason = fit_reason(group.host.all_gather(shapes_of(rep, rt.device))[1:], plan)
         found = window(plan) if rep.spec.sliceable else None
@@ -200,13 +312,12 @@ def _call(group: Group, _payload: None) -> None:
             reason = program.shapes_differ  # shapes that follow the rows: per rank, where the master says what differs
             program = None
         if program is None:
-            _per_rank(group, rt, rep, plan, reason or "its JAX form takes shapes as arguments "
+            return _per_rank(rt, rep, plan, reason or "its JAX form takes shapes as arguments "
                                                       "(scalar_shape_inputs), which one program cannot")
-            return
         rows = (found[1] * rt.size if found else sum(int(p1 - p0) for p0, p1 in plan.positions)
                 if rep.spec.inputs else rt.size)
         weight = np.array(float(rows))  # the call's rows over every rank
-        rt.engine.remember(key, (plan, rep, program, found, weight), bool(scratch[calls.FITS]))
+        rt.engine.remember(key, (plan, rep, program, found, weight), fits)
     if ph is not None:
         ph.mark("plan")
     scattered, bcast = calls.rank_inputs(rt, plan)
@@ -217,46 +328,34 @@ def _call(group: Group, _payload: None) -> None:
         outputs = program(rt.device, scattered, bcast, found[0][rt.rank] if found else 0)
     except ShapesDiffer as exc:  # found when tracing, alike in every rank: they all run it per rank instead
         program.shapes_differ = str(exc)  # (the next call of the plan knows it before tracing)
-        _per_rank(group, rt, rep, plan, str(exc))
-        return
+        return _per_rank(rt, rep, plan, str(exc))
     if ph is not None:
         ph.mark("dispatch")
+    local: list[Any] = []
     if rt.rank == 0 and outputs:
         local = outputs if rt.size == 1 else [o.addressable_data(0) for o in outputs]
-        if len(local) > 1:  # every output starts its way to the host as soon as the program ends
-            for o in local:  # (measured: for a single output, np.asarray alone is faster)
+        if pipelined or len(local) > 1:  # every output starts its way to the host as soon as the program
+            for o in local:  # ends (measured: for a single output read at once, np.asarray alone is faster)
                 o.copy_to_host_async()
-        values = [np.asarray(o) for o in local]
-        program.forget()  # its updated values are ready too: one execution's outputs complete together
-        if ph is not None:
-            ph.mark("outputs")
-    else:
-        values = []
-        # Every rank waits for its program: a failure inside it (an error, or a peer gone from a
-        # collective) then surfaces in this call, as the rank's exception.
-        program.wait()
-        if ph is not None:
-            ph.mark("wait")
-    if rt.rank == 0:
-        group.reply([_RESHAPED if program.reshaped else _FORM, weight, *values])
-    else:
-        group.reply([_FORM])
-    if ph is not None:
-        ph.mark("reply")
+    head = [_RESHAPED if program.reshaped else _FORM, weight] if rt.rank == 0 else [_FORM]
+    pending = Pending(head, local, program.last)
+    program.forget()  # the Pending holds what is left to wait for
+    return pending
 
 
 _FORM = np.array(PROGRAM)
 _RESHAPED = np.array(RESHAPED)
 
 
-def _per_rank(group: Group, rt: Runtime, rep: Any, plan: calls.CallPlan, reason: str) -> None:
-    """Run the call as this rank's own program (``reason``: why not one program over the ranks) and
-    reply its share; a function with in-graph collectives cannot, and raises (in every rank alike)."""
+def _per_rank(rt: Runtime, rep: Any, plan: calls.CallPlan, reason: str) -> list[Any]:
+    """Run the call as this rank's own program (``reason``: why not one program over the ranks);
+    returns its reply, this rank's share.  A function with in-graph collectives cannot, and raises
+    (in every rank alike)."""
     if rep.has_collectives:
         raise ValueError(f"{rep.spec.name or 'this function'} uses in-graph collectives, which run only "
                          f"in one program over the ranks, and this call cannot run as one: {reason}")
     weight, outputs = calls.execute(rt, plan)
-    group.reply([np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)])
+    return [np.array(PER_RANK), np.array(weight), *(np.asarray(o) for o in outputs)]
 
 
 @handler(VALUE)

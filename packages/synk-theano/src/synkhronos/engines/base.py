@@ -36,10 +36,14 @@ class Engine(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def call(self, rt: Runtime, rep: Replica, plan: CallPlan, known: tuple[str | None] | None) -> list[Any]:
+    def call(self, rt: Runtime, rep: Replica, plan: CallPlan, known: tuple[str | None] | None,
+             defer: bool = False) -> Any:
         """Run the planned call of ``rep`` on every rank; returns its combined outputs in the
         plan's order (``plan.subset`` or every output).  ``known``: :meth:`known_reason` of an
-        earlier call with this plan."""
+        earlier call with this plan.  ``defer`` (a submitted call, in the window's dispatch
+        thread): the engine may return a :class:`~synkhronos.inflight.Deferred` of the outputs
+        instead, and resolve it later, in that thread (the JAX engine pipelines its calls; the
+        per-rank engine returns the outputs)."""
 
     @abc.abstractmethod
     def chain(self, rt: Runtime, chain: Chain, sids: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any],

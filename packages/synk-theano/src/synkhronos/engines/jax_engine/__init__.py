@@ -10,16 +10,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from synk_comm import WorkerError
 from synkhronos import calls
+from synkhronos.calls import SelectionError
 from synkhronos.chain import Chain
 from synkhronos.engine import collectives as engine_collectives
 from synkhronos.engine import master
 from synkhronos.engines.base import Engine
-from synkhronos.function import _selection_errors
+from synkhronos.function import _raise_selection_error, _selection_errors
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime
 
 __all__ = ["JaxEngine"]
+
+
+def _translated(exc: BaseException) -> BaseException:
+    """What the synchronous call raises for ``exc`` (a bad ``batch_s`` selection in every failing rank:
+    one SelectionError)."""
+    if isinstance(exc, WorkerError):
+        try:
+            _raise_selection_error(exc)
+        except SelectionError as error:
+            return error
+    return exc
 
 
 class JaxEngine(Engine):
@@ -32,9 +45,11 @@ class JaxEngine(Engine):
     def known_reason(self, rep: Replica, plan: calls.CallPlan) -> tuple[str | None] | None:
         return (master.reason_of(rep, plan),)
 
-    def call(self, rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | None] | None) -> list[Any]:
+    def call(self, rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | None] | None,
+             defer: bool = False) -> Any:
+        """A call; ``defer``: pipelined (see :func:`synkhronos.engine.master.call`)."""
         with _selection_errors():
-            return master.call(rt, rep, plan, known)
+            return master.call(rt, rep, plan, known, defer, _translated)
 
     def chain(self, rt: Runtime, chain: Chain, sids: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any],
               output_subset: Any, batch: Any, batch_s: Any, num_slices: Any) -> Any:

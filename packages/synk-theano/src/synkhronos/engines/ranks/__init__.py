@@ -33,7 +33,8 @@ class RanksEngine(Engine):
     name = "ranks"
     master_computes = True
 
-    def call(self, rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | None] | None) -> list[Any]:
+    def call(self, rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | None] | None,
+             defer: bool = False) -> list[Any]:
         rt.group.start_command(CALL)  # the hot path: no context managers
         try:
             own = calls.share(rt, plan)
