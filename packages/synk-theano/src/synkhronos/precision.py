@@ -302,7 +302,7 @@ def _mixed(eqn: Any, invals: list[Any], policy: str, small: set[Any]) -> list[An
     if name not in _BF16_OPS:
         return _bind(eqn, _upcast(eqn, invals), policy)
     if name == "convert_element_type":
-        if jnp.dtype(eqn.params["new_dtype"]) == jnp.float32:
+        if jnp.dtype(eqn.params["new_dtype"]) == jnp.float32 and jnp.dtype(eqn.invars[0].aval.dtype) == jnp.float32:
             return [invals[0]]  # a float32 -> float32 conversion (weak type): the activation stays bfloat16
         return _bind(eqn, _upcast(eqn, invals), policy)
     size = max(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
