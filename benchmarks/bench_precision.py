@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--distinct", type=int, default=4, help="resnet: distinct batches, used in turn")
     parser.add_argument("--lr", type=float, default=0.01, help="resnet: SGD learning rate (momentum 0.9)")
     parser.add_argument("--precisions", default="fp32,tf32,bf16", help="resnet: rows, comma-separated")
+    parser.add_argument("--gpu", default="0", help="resnet: the GPU (a CUDA_VISIBLE_DEVICES entry) of its rows")
     parser.add_argument("--batches", default="2048,16384", help="allreduce: global batches, comma-separated")
     parser.add_argument("--timed", type=int, default=20, help="allreduce: timed steps per batch (after 5)")
     parser.add_argument("--timeout", type=float, default=420, help="seconds a row's process may take")
@@ -168,7 +169,7 @@ def curve_difference(losses: list[float], reference: list[float]) -> dict[str, f
 
 
 def resnet_part(args: argparse.Namespace) -> dict[str, Any]:
-    devices = [] if args.dry_run else ["0"]
+    devices = [] if args.dry_run else [args.gpu]
     jobs = {name: (resnet_run, (args, POLICIES[name])) for name in args.precision_list}
     t0 = time.perf_counter()
     runs = in_children(jobs, devices, args.timeout)

@@ -18,6 +18,7 @@ the CPU's thunks), to check the code.
 
     python tools/profile_precision_step.py                      # bf16, batch 256
     python tools/profile_precision_step.py --policy default --batch 128
+    python tools/profile_precision_step.py --batch 128 --memory-of default,highest
     python tools/profile_precision_step.py --dry-run
 """
 
@@ -51,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10, help="steps traced (and timed, after 5)")
     parser.add_argument("--top", type=int, default=25, help="ops and kernels listed")
+    parser.add_argument("--memory-of", default="", help="comma-separated policies whose step's XLA memory analysis "
+                        "is printed beside the profiled one's (each compiled and run once)")
     parser.add_argument("--dry-run", action="store_true", help="a tiny ResNet on JAX's CPU: checks the code")
     args = parser.parse_args(argv)
     args.depth, args.width, args.image_size, args.classes = 50, 64, 224, 1000
@@ -72,7 +75,7 @@ class Spy:
         return self.jitted(*args)
 
 
-def build(args: argparse.Namespace) -> tuple[Any, Spy, Any, Any]:
+def build(args: argparse.Namespace, policy: str) -> tuple[Any, Spy, Any, Any]:
     """The step function (PyTensor), the spy on its jitted JAX function, and a batch on the device."""
     import jax
     import pytensor
@@ -100,7 +103,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Spy, Any, Any]:
 
     jax.jit = spy_jit  # PyTensor's JAX linker calls jax.jit once, for this function
     try:
-        fn = pytensor.function([x, y], loss, updates=updates + state, mode=precision.jax_mode("JAX", args.policy))
+        fn = pytensor.function([x, y], loss, updates=updates + state, mode=precision.jax_mode("JAX", policy))
     finally:
         jax.jit = real_jit
     fn.trust_input = True
@@ -268,6 +271,15 @@ def summarise(trace: dict[str, Any], categories: dict[str, str], steps: int, wal
             print(f"| {name[:100]} | {us / steps / 1e3:.3f} | {us / ktotal:.1%} |")
 
 
+def compiled_of(spy: Spy) -> Any:
+    """The compiled executable of the spied function (compiled again at its first call's shapes: the
+    persistent compilation cache that :func:`main` turns on makes that a read of the first one)."""
+    import jax
+
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, spy.args)
+    return spy.jitted.lower(*structs).compile()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     print(f"ResNet-{args.depth} step, policy {args.policy!r}, batch {args.batch}, on {jax.devices()[0]}", flush=True)
     t0 = time.perf_counter()
-    fn, spy, xb, yb = build(args)
+    fn, spy, xb, yb = build(args, args.policy)
     np.asarray(fn(xb, yb))
     print(f"compiled and ran once in {time.perf_counter() - t0:.1f} s", flush=True)
     for _ in range(5):
@@ -291,19 +303,23 @@ def main(argv: list[str] | None = None) -> int:
     wall = (time.perf_counter() - t0) / args.steps
     print(f"{wall * 1e3:.2f} ms/step, {args.batch / wall:.0f} images/s (the loss read every step)", flush=True)
 
-    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, spy.args)
-    compiled = spy.jitted.lower(*structs).compile()
+    compiled = compiled_of(spy)
     os.makedirs(OUT, exist_ok=True)
     text = compiled.as_text()
     with open(os.path.join(OUT, f"profile_{args.policy}_hlo.txt"), "w") as f:
         f.write(text)
-    memory = compiled.memory_analysis()
-    if memory is not None:
-        gib = 2.0 ** 30
-        print("\n## XLA memory analysis of the step\n")
-        print("| arguments GiB | outputs GiB | aliased GiB | temporaries GiB |\n|---:|---:|---:|---:|")
-        print(f"| {memory.argument_size_in_bytes / gib:.3f} | {memory.output_size_in_bytes / gib:.3f} | "
-              f"{memory.alias_size_in_bytes / gib:.3f} | {memory.temp_size_in_bytes / gib:.3f} |")
+    analyses = {args.policy: compiled.memory_analysis()}
+    for other in [p for p in args.memory_of.split(",") if p and p != args.policy]:
+        other_fn, other_spy, _, _ = build(args, other)
+        np.asarray(other_fn(xb, yb))
+        analyses[other] = compiled_of(other_spy).memory_analysis()
+    mib = 2.0 ** 20
+    print(f"\n## XLA memory analysis of the step, batch {args.batch}\n")
+    print("| policy | arguments MiB | outputs MiB | aliased MiB | temporaries MiB |\n|---|---:|---:|---:|---:|")
+    for name, memory in analyses.items():
+        if memory is not None:
+            print(f"| {name} | {memory.argument_size_in_bytes / mib:.1f} | {memory.output_size_in_bytes / mib:.1f} | "
+                  f"{memory.alias_size_in_bytes / mib:.1f} | {memory.temp_size_in_bytes / mib:.1f} |")
     categories, entry = hlo_categories(text)
     print(f"\noptimised HLO: {sum(entry.values())} ops in its ENTRY computation: "
           + ", ".join(f"{k} {v}" for k, v in entry.most_common(12)), flush=True)
