@@ -40,7 +40,10 @@ bfloat16 or float32; the function's inputs are float32):
   softmax's and the loss's sums), transcendental and precision-sensitive functions (``exp``,
   ``log``, ``log1p``, ``expm1``, ``pow``, ``sqrt``, ``rsqrt``, ``erf``...: they amplify their
   operand's error or feed reductions), scatters, sorts, collectives (``psum``, callbacks: the
-  gradients are summed in float32), and any primitive this module does not name.
+  gradients are summed in float32), and any primitive this module does not name.  A collective
+  whose operand the function itself converts to bfloat16 (``ops.all_reduce(x, dtype="bfloat16")``)
+  keeps it: an equation's operands are converted back only to the dtypes the function gives them,
+  and a conversion from bfloat16 to float32 the function makes is kept.
 * **Calls** (``jit``, ``remat``, ``custom_jvp_call``, ``custom_vjp_call``) are evaluated in place
   with the same rules, so bfloat16 values flow through them.  **Loops and branches** (``scan``,
   ``while``, ``cond``) and ``shard_map`` keep their float32 boundaries: their operands and carries
