@@ -224,8 +224,10 @@ def busy_us(events: list[dict[str, Any]]) -> float:
 
 
 def op_name(event: dict[str, Any]) -> str:
+    """The HLO instruction an event ran (``fusion.12``): its ``hlo_op``, else its long or own name's first word."""
     args = event.get("args", {})
-    return str(args.get("hlo_op") or args.get("long_name", "").split(" ")[0].lstrip("%") or event["name"])
+    name = str(args.get("hlo_op") or args.get("long_name") or event["name"]).strip()
+    return name.split(" ")[0].lstrip("%") or str(event["name"])
 
 
 def summarise(trace: dict[str, Any], categories: dict[str, str], steps: int, wall_s: float, top: int) -> None:
