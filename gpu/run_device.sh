@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | inflight | resnet-inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | resnet-inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -103,7 +103,42 @@ if [ "$what" = precision ]; then
   SYNK_BENCH_PARTS=tf32,bf16 timeout 300 python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu_bf16.log" || status=1
   for p in bf16 default; do
     timeout 120 python3 examples/mnist/train_mnist.py --model cnn --precision $p --no-baseline --no-progress \
-      --plot "$OUT/mnist_cnn_$p.png" 2>&1 | tail -n 4 | tee "$OUT/mnist_cnn_$p.log" || status=1
+      --plot "$OUT/mnist_cnn_$p.png" > "$OUT/mnist_cnn_$p.log" 2>&1 || status=1
+    tail -n 4 "$OUT/mnist_cnn_$p.log"
+  done
+  # both test accuracies and their difference (the goal: within 0.5 percentage points)
+  acc() { grep -o "final test accuracy[^:]*: [0-9.]*%" "$OUT/mnist_cnn_$1.log" | grep -o "[0-9.]*%$" | tr -d %; }
+  a=$(acc bf16); b=$(acc default)
+  if [ -n "$a" ] && [ -n "$b" ]; then
+    awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; printf "CNN MNIST test accuracy: bf16 %.2f%%, default %.2f%%, difference %+.2f points: %s (goal: within 0.5)\n", a, b, d, (d <= 0.5 && d >= -0.5) ? "PASS" : "FAIL" }' \
+      | tee "$OUT/mnist_cnn_accuracy.log"
+  else
+    echo "CNN MNIST: a run printed no final test accuracy (see $OUT/mnist_cnn_*.log)"; status=1
+  fi
+fi
+# Mixed precision's accuracy, memory and profile in ONE call (under 9 minutes): ResNet-50's loss over 200 steps
+# and its GPU memory at batch 128 under strict float32, TF32 and bf16 (benchmarks/bench_precision.py --part
+# resnet: PASS/FAIL lines), where bf16's step time goes at batch 256 with XLA's memory analysis beside TF32's
+# (tools/profile_precision_step.py); on 2+ GPUs the ResNet runs on the second GPU while the first is profiled,
+# then the MLP step with the gradient all-reduced in bfloat16 against float32 and DDP's bf16_compress_hook
+# (--part allreduce).  Logs: $OUT/precision_resnet.log, profile_bf16.log, precision_allreduce.log.
+if [ "$what" = precision2 ]; then
+  gpus=$(nvidia-smi -L | wc -l)
+  if [ "$gpus" -ge 2 ]; then
+    timeout 300 python3 benchmarks/bench_precision.py --part resnet --gpu 1 --timeout 280 > "$OUT/precision_resnet.log" 2>&1 &
+    resnet=$!
+    CUDA_VISIBLE_DEVICES=0 timeout 240 python3 tools/profile_precision_step.py --batch 256 --memory-of default \
+      > "$OUT/profile_bf16.log" 2>&1 || status=1
+    wait "$resnet" || status=1
+    timeout 180 python3 benchmarks/bench_precision.py --part allreduce --timeout 160 > "$OUT/precision_allreduce.log" 2>&1 \
+      || status=1
+  else
+    timeout 300 python3 benchmarks/bench_precision.py --part resnet --timeout 280 > "$OUT/precision_resnet.log" 2>&1 || status=1
+    timeout 220 python3 tools/profile_precision_step.py --batch 256 --memory-of default > "$OUT/profile_bf16.log" 2>&1 \
+      || status=1
+  fi
+  for log in precision_resnet profile_bf16 precision_allreduce; do
+    [ -e "$OUT/$log.log" ] && { echo "== $log"; grep -v "Warning\|warn(" "$OUT/$log.log" | tail -n 45; }
   done
 fi
 # CPU mode on the machine's CPU cores (16 on the one-GPU kinds): scaling against torch DDP (gloo)

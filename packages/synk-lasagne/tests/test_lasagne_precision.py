@@ -78,3 +78,39 @@ def test_bf16_step_keeps_state_float32_and_stays_close(group):
     assert losses[0] != want_losses[0]  # the policy is in effect from the first step
     conv_w, want_w = values[0], want_values[0]
     np.testing.assert_allclose(conv_w, want_w, rtol=RTOL, atol=RTOL * float(np.abs(want_w).max()))
+
+
+def _dense_step(all_reduce_dtype: str | None, precision: str, xv: np.ndarray, yv: np.ndarray, steps: int = 3):
+    """A dense net's momentum step in the group, its gradient all-reduced in ``all_reduce_dtype``."""
+    with pytensor.config.change_flags(floatX="float32"):
+        set_rng(np.random.RandomState(9))
+        x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
+        net = layers.DenseLayer(layers.InputLayer((None, 16)), 32, nonlinearity=nonlinearities.tanh)
+        net = layers.DenseLayer(net, 5, nonlinearity=nonlinearities.softmax)
+        loss = objectives.aggregate(objectives.categorical_crossentropy(layers.get_output(net, x), y))
+        params = layers.get_all_params(net, trainable=True)
+        train = make_train_function(loss, params, [x, y], updates.momentum, precision=precision,
+                                    all_reduce_dtype=all_reduce_dtype, learning_rate=np.float32(0.5),
+                                    momentum=np.float32(0.9))
+        xd, yd = synk.data(xv), synk.data(yv)
+        losses = [float(train(xd, yd)) for _ in range(steps)]
+        return losses, [v.get_value() for v in [*params, *train.state]]
+
+
+def test_bfloat16_gradient_all_reduce_stays_close_to_float32(group):
+    """The gradient exchanged in bfloat16 (with bfloat16 activations: the policy keeps the explicit
+    conversions of the all-reduce): the first loss (before any update) equal, the parameters and the
+    velocities float32, close to the float32 all-reduce's and not equal to them."""
+    policy = "bf16"
+    rng = np.random.default_rng(10)
+    xv = rng.standard_normal((12, 16)).astype(np.float32)
+    yv = rng.integers(0, 5, 12).astype(np.int32)
+    losses, values = _dense_step("bfloat16", policy, xv, yv)
+    want_losses, want_values = _dense_step(None, policy, xv, yv)
+    assert losses[0] == want_losses[0]
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-2)
+    assert len(values) > 4  # W, b of each layer and the velocities
+    for got, want in zip(values, want_values):
+        assert got.dtype == want.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(np.abs(want).max()))
+    assert not np.array_equal(values[0], want_values[0])  # the all-reduce really was in bfloat16

@@ -236,6 +236,45 @@ def test_outputs_keep_the_graph_dtypes_and_the_fork_default_applies(ranks):
         synk.function([x], out, precision="bf16", mode="NUMBA")
 
 
+# -- the all-reduce in bfloat16 (ops.all_reduce(..., dtype="bfloat16")) ------------------------------
+def test_round_bfloat16_is_jax_bfloat16(jax32):
+    rng = np.random.default_rng(7)
+    x = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 4000),
+                        np.array([0.0, -0.0, np.inf, -np.inf, 1 + 2**-8, 1 + 3 * 2**-8], np.float32)])
+    want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(synk.ops.round_bfloat16(x), want)
+    assert np.isnan(synk.ops.round_bfloat16(np.array([np.nan], np.float32)))[0]
+
+
+def test_bfloat16_all_reduce_rounds_each_rank_and_the_sum(ranks):
+    """Each rank's sum of its rows (exact in float32: multiples of 2**-10), rounded to bfloat16, summed
+    (exact), and the sum rounded: the reference in numpy; the float32 all-reduce differs from it."""
+    rng = np.random.default_rng(8)
+    xv = (rng.integers(0, 4096, (ROWS, 8)) / 1024).astype(np.float32)
+    x = pt.fmatrix("x")
+    part = pt.sum(x, axis=0)
+    fn = synk.function([x], [(synk.ops.all_reduce(part, "sum", dtype="bfloat16"), "gather"),
+                             (synk.ops.all_reduce(part, "sum"), "gather")])
+    got, exact = (np.asarray(v).reshape(ranks, 8) for v in fn(synk.data(xv)))
+    shares = np.array_split(xv, ranks)
+    want = synk.ops.round_bfloat16(sum(synk.ops.round_bfloat16(s.sum(axis=0)) for s in shares))
+    assert got.dtype == np.float32
+    for r in range(ranks):  # every rank holds the same sum
+        np.testing.assert_array_equal(got[r], want)
+        np.testing.assert_array_equal(exact[r], xv.sum(axis=0))
+    assert not np.array_equal(got[0], exact[0])
+    np.testing.assert_allclose(got[0], exact[0], rtol=2**-7)  # three roundings of 2**-9 at most
+
+
+def test_bfloat16_all_reduce_refuses_what_it_cannot_send():
+    with pytest.raises(ValueError, match="use op='sum' or 'avg'"):
+        synk.ops.all_reduce(pt.fvector(), "max", dtype="bfloat16")
+    with pytest.raises(ValueError, match="use one of"):
+        synk.ops.all_reduce(pt.fvector(), "sum", dtype="float16")
+    with pytest.raises(TypeError, match="cast x to float32"):
+        synk.ops.all_reduce(pt.dvector(), "sum", dtype="bfloat16")
+
+
 # -- bfloat16 activations: a small CNN with batch norm, its training step in JAX ----------------------
 def _cnn_state():
     rng = np.random.default_rng(5)

@@ -311,7 +311,7 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
                         outputs: Mapping[str, Any] | None = None, bcast_inputs: Sequence[Any] | None = None,
                         sliceable_shareds: Sequence[Any] | None = None, givens: Any = None, weight: Any = None,
                         function_kwargs: Mapping[str, Any] | None = None, precision: str | None = None,
-                        **hyperparameters: Any) -> TrainFunction:
+                        all_reduce_dtype: str | None = None, **hyperparameters: Any) -> TrainFunction:
     """A callable that runs one data-parallel training step: gradient, all-reduce, update.
 
     ONE Synkhronos function, one command per call: every rank computes the loss and its gradient
@@ -356,6 +356,12 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         The precision policy of the step (:mod:`synkhronos.precision`; default: the fork's).
         ``"bf16"``: bfloat16 activations (products accumulating in float32); reductions, the
         parameters, the rule's state and the updates stay float32.
+    all_reduce_dtype : {None, "bfloat16"}, optional
+        ``"bfloat16"``: the ranks exchange the gradient as bfloat16 (half the bytes, as PyTorch DDP's
+        ``bf16_compress_hook``; :func:`synkhronos.ops.all_reduce`'s ``dtype``): the summed gradient
+        has a relative error up to about 2**-8 per element; the rows' weights, the parameters and the
+        rule's state stay float32.  Any ``precision``; the one-call step only (``num_slices`` > 1
+        sums its chain's flat gradient in float32).  None (the default): float32.
     **hyperparameters
         Passed to ``rule`` (``learning_rate=...``, ``momentum=...``, ``grad_transform=...``).
 
@@ -424,8 +430,12 @@ def make_train_function(loss: Any, params: Sequence[Any], inputs: Sequence[Any],
         # one all-reduce per part of the flat gradient's concatenation (a sum all-reduce of each part,
         # concatenated, is the all-reduce of the whole), see Notes; the parts are the vectors it joins
         # (PyTensor before 3.3 passes the axis as a 0-d first input)
-        parts = [part for part in node.inputs if part.ndim == 1]
-        reduced = pt.concatenate([synk.ops.all_reduce(part, "sum") for part in parts])
+        parts = [part for part in node.inputs if part.ndim == 1]  # the last: the weight, summed in float32
+        reduced = pt.concatenate([synk.ops.all_reduce(part, "sum", all_reduce_dtype) for part in parts[:-1]]
+                                 + [synk.ops.all_reduce(parts[-1], "sum")])
+    elif all_reduce_dtype is not None:  # the gradient in all_reduce_dtype, the weight (the last value) in float32
+        reduced = pt.concatenate([synk.ops.all_reduce(local_flat[:-1], "sum", all_reduce_dtype),
+                                  synk.ops.all_reduce(local_flat[-1:], "sum")])
     else:
         reduced = synk.ops.all_reduce(local_flat, "sum")
     stepped = clone_replace(list(step.values()), replace={flat: reduced})

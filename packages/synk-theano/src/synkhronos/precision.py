@@ -40,7 +40,10 @@ bfloat16 or float32; the function's inputs are float32):
   softmax's and the loss's sums), transcendental and precision-sensitive functions (``exp``,
   ``log``, ``log1p``, ``expm1``, ``pow``, ``sqrt``, ``rsqrt``, ``erf``...: they amplify their
   operand's error or feed reductions), scatters, sorts, collectives (``psum``, callbacks: the
-  gradients are summed in float32), and any primitive this module does not name.
+  gradients are summed in float32), and any primitive this module does not name.  A collective
+  whose operand the function itself converts to bfloat16 (``ops.all_reduce(x, dtype="bfloat16")``)
+  keeps it: an equation's operands are converted back only to the dtypes the function gives them,
+  and a conversion from bfloat16 to float32 the function makes is kept.
 * **Calls** (``jit``, ``remat``, ``custom_jvp_call``, ``custom_vjp_call``) are evaluated in place
   with the same rules, so bfloat16 values flow through them.  **Loops and branches** (``scan``,
   ``while``, ``cond``) and ``shard_map`` keep their float32 boundaries: their operands and carries
@@ -302,7 +305,7 @@ def _mixed(eqn: Any, invals: list[Any], policy: str, small: set[Any]) -> list[An
     if name not in _BF16_OPS:
         return _bind(eqn, _upcast(eqn, invals), policy)
     if name == "convert_element_type":
-        if jnp.dtype(eqn.params["new_dtype"]) == jnp.float32:
+        if jnp.dtype(eqn.params["new_dtype"]) == jnp.float32 and jnp.dtype(eqn.invars[0].aval.dtype) == jnp.float32:
             return [invals[0]]  # a float32 -> float32 conversion (weak type): the activation stays bfloat16
         return _bind(eqn, _upcast(eqn, invals), policy)
     size = max(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
