@@ -17,6 +17,8 @@ normalization                   :class:`BatchNormLayer`, :func:`batch_norm`, :cl
 merge                           :class:`ElemwiseSumLayer`, :class:`ConcatLayer`
 noise                           :class:`DropoutLayer`, :class:`GaussianNoiseLayer`
 embedding                       :class:`EmbeddingLayer`, :class:`NINLayer` (network in network)
+recurrent                       :class:`CustomRecurrentLayer`, :class:`RecurrentLayer`, :class:`LSTMLayer`,
+                                :class:`GRULayer`, :class:`Gate`
 shape                           :class:`FlattenLayer`, :class:`ReshapeLayer`, :class:`DimshuffleLayer`,
                                 :class:`PadLayer`, :class:`SliceLayer`
 special                         :class:`NonlinearityLayer`, :class:`ExpressionLayer`, :class:`BiasLayer`,
@@ -78,6 +80,7 @@ from synk_lasagne.layers.pool import (
     Upscale2DLayer,
     Upscale3DLayer,
 )
+from synk_lasagne.layers.recurrent import CustomRecurrentLayer, Gate, GRULayer, LSTMLayer, RecurrentLayer
 from synk_lasagne.layers.shape import (
     DimshuffleLayer,
     FlattenLayer,
@@ -91,7 +94,8 @@ from synk_lasagne.layers.shape import (
 )
 from synk_lasagne.layers.special import BiasLayer, ExpressionLayer, NonlinearityLayer, ScaleLayer, standardize
 
-__all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "DenseLayer",
+__all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "CustomRecurrentLayer",
+           "DenseLayer", "GRULayer", "Gate", "LSTMLayer", "RecurrentLayer",
            "DimshuffleLayer", "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
            "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GaussianNoiseLayer", "GlobalPoolLayer",
            "InputLayer", "Layer", "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer",
