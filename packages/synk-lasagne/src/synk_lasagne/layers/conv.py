@@ -48,22 +48,31 @@ class Conv2DLayer(Layer):
         if len(self.input_shape) != 4:
             raise ValueError(f"Conv2DLayer needs 4-d input (batch, channels, rows, columns), got shape "
                              f"{self.input_shape}")
+        self._setup(num_filters, _pair(filter_size, "filter_size"), _pair(stride, "stride"), normalize_pad(pad),
+                    _pair(dilation, "dilation"), untie_biases, W, b, nonlinearity, flip_filters, num_groups)
+
+    def _setup(self, num_filters: int, filter_size: tuple[int, int], stride: tuple[int, int], pad: Any,
+               dilation: tuple[int, int], untie_biases: bool, W: Any, b: Any, nonlinearity: Any,
+               flip_filters: bool, num_groups: int, filter_axes: int = 2) -> None:
+        """What Conv2DLayer and Conv1DLayer share, on 2-d sizes: attributes, ``W`` (its last
+        ``filter_axes`` sizes of ``filter_size``) and ``b``."""
         channels = self.input_shape[1]
         if channels is None:
-            raise ValueError("Conv2DLayer needs the number of input channels: give it to the InputLayer")
+            raise ValueError(f"{type(self).__name__} needs the number of input channels: give it to the InputLayer")
         if channels % num_groups or num_filters % num_groups:
             raise ValueError(f"{channels} channels and {num_filters} filters must both split into num_groups="
                              f"{num_groups} groups")
         self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
         self.num_filters = int(num_filters)
-        self.filter_size = _pair(filter_size, "filter_size")
-        self.stride = _pair(stride, "stride")
-        self.dilation = _pair(dilation, "dilation")
-        self.pad = normalize_pad(pad)
+        self.filter_size = filter_size
+        self.stride = stride
+        self.dilation = dilation
+        self.pad = pad
         self.untie_biases = untie_biases
         self.flip_filters = flip_filters
         self.num_groups = int(num_groups)
-        self.W = self.add_param(W, (self.num_filters, channels // self.num_groups, *self.filter_size), name="W")
+        self.W = self.add_param(W, (self.num_filters, channels // self.num_groups, *filter_size[2 - filter_axes:]),
+                                name="W")
         if b is None:
             self.b = None
         else:
@@ -125,32 +134,15 @@ class Conv1DLayer(Conv2DLayer):
                  untie_biases: bool = False, W: Any = GLOROT_UNIFORM, b: Any = ZEROS,
                  nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = True, dilation: Any = 1,
                  num_groups: int = 1, **kwargs: Any) -> None:
-        from synk_lasagne.layers.base import Layer as _Layer
         from synk_lasagne.utils import as_tuple, int_types
 
-        _Layer.__init__(self, incoming, **kwargs)
+        Layer.__init__(self, incoming, **kwargs)
         if len(self.input_shape) != 3:
             raise ValueError(f"Tried to create a 1D convolution layer with input shape {self.input_shape}. "
                              "Expected 3 input dimensions (batchsize, channels, 1 spatial dimensions).")
-        channels = self.input_shape[1]
-        if channels is None or channels % num_groups or num_filters % num_groups:
-            raise ValueError(f"{channels} channels and {num_filters} filters must both split into num_groups="
-                             f"{num_groups} groups")
-        self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
-        self.num_filters = int(num_filters)
-        self.filter_size = (1, *as_tuple(filter_size, 1, int_types))
-        self.stride = (1, *as_tuple(stride, 1, int_types))
-        self.dilation = (1, *as_tuple(dilation, 1, int_types))
-        self.pad = normalize_pad(_single_pad(pad))
-        self.untie_biases = untie_biases
-        self.flip_filters = flip_filters
-        self.num_groups = int(num_groups)
-        self.W = self.add_param(W, (self.num_filters, channels // self.num_groups, self.filter_size[1]), name="W")
-        if b is None:
-            self.b = None
-        else:
-            shape = (self.num_filters, *self.output_shape[2:]) if untie_biases else (self.num_filters,)
-            self.b = self.add_param(b, shape, name="b", regularizable=False)
+        self._setup(num_filters, (1, *as_tuple(filter_size, 1, int_types)), (1, *as_tuple(stride, 1, int_types)),
+                    normalize_pad(_single_pad(pad)), (1, *as_tuple(dilation, 1, int_types)), untie_biases, W, b,
+                    nonlinearity, flip_filters, num_groups, filter_axes=1)
 
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
         batch, _, *spatial = super().get_output_shape_for((*input_shape[:2], 1, input_shape[2]))
