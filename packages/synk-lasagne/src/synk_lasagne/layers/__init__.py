@@ -7,7 +7,8 @@ Lasagne's.  See the "Lasagne layers" guide for the porting notes.
 ==============================  ===================================================================
 input                           :class:`InputLayer`
 dense                           :class:`DenseLayer`
-convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stride, pad, dilation, groups, flip_filters)
+convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stride, pad, dilation, groups,
+                                flip_filters), :class:`LocallyConnected2DLayer`
 pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
                                 :class:`Pool2DLayer`, :class:`GlobalPoolLayer`,
                                 :class:`FeaturePoolLayer`, :class:`FeatureWTALayer`,
@@ -59,6 +60,7 @@ from synk_lasagne.layers.helper import (
     set_all_param_values,
 )
 from synk_lasagne.layers.input import InputLayer
+from synk_lasagne.layers.local import LocallyConnected2DLayer
 from synk_lasagne.layers.merge import ConcatLayer, ElemwiseSumLayer, concat
 from synk_lasagne.layers.noise import DropoutLayer, GaussianNoiseLayer, dropout
 from synk_lasagne.layers.normalization import (
@@ -95,12 +97,12 @@ from synk_lasagne.layers.shape import (
 from synk_lasagne.layers.special import BiasLayer, ExpressionLayer, NonlinearityLayer, ScaleLayer, standardize
 
 __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "CustomRecurrentLayer",
-           "DenseLayer", "GRULayer", "Gate", "LSTMLayer", "RecurrentLayer",
-           "DimshuffleLayer", "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
-           "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GaussianNoiseLayer", "GlobalPoolLayer",
-           "InputLayer", "Layer", "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer",
-           "PadLayer", "Pool1DLayer", "Pool2DLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
-           "StandardizationLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates",
-           "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle", "dropout", "flatten",
-           "get_all_layers", "get_all_param_values", "get_all_params", "get_output", "get_output_shape",
-           "get_running_statistics", "get_state_updates", "pad", "reshape", "set_all_param_values", "standardize"]
+           "DenseLayer", "DimshuffleLayer", "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
+           "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate", "GaussianNoiseLayer",
+           "GlobalPoolLayer", "InputLayer", "LSTMLayer", "Layer", "LocallyConnected2DLayer", "MaxPool1DLayer",
+           "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer", "Pool1DLayer", "Pool2DLayer",
+           "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer", "StandardizationLayer", "Upscale1DLayer",
+           "Upscale2DLayer", "Upscale3DLayer", "add_state_updates", "average_running_statistics", "batch_norm",
+           "concat", "count_params", "dimshuffle", "dropout", "flatten", "get_all_layers", "get_all_param_values",
+           "get_all_params", "get_output", "get_output_shape", "get_running_statistics", "get_state_updates", "pad",
+           "reshape", "set_all_param_values", "standardize"]
