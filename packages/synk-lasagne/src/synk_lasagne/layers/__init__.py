@@ -12,7 +12,8 @@ convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stri
 pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
                                 :class:`Pool2DLayer`, :class:`GlobalPoolLayer`,
                                 :class:`FeaturePoolLayer`, :class:`FeatureWTALayer`,
-                                :class:`Upscale1DLayer`, :class:`Upscale2DLayer`, :class:`Upscale3DLayer`
+                                :class:`Upscale1DLayer`, :class:`Upscale2DLayer`, :class:`Upscale3DLayer`,
+                                :class:`SpatialPyramidPoolingLayer`
 normalization                   :class:`BatchNormLayer`, :func:`batch_norm`, :class:`StandardizationLayer`,
                                 :func:`average_running_statistics`, :func:`get_running_statistics`
 merge                           :class:`ElemwiseSumLayer`, :class:`ConcatLayer`
@@ -78,6 +79,7 @@ from synk_lasagne.layers.pool import (
     MaxPool2DLayer,
     Pool1DLayer,
     Pool2DLayer,
+    SpatialPyramidPoolingLayer,
     Upscale1DLayer,
     Upscale2DLayer,
     Upscale3DLayer,
@@ -101,8 +103,8 @@ __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DL
            "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate", "GaussianNoiseLayer",
            "GlobalPoolLayer", "InputLayer", "LSTMLayer", "Layer", "LocallyConnected2DLayer", "MaxPool1DLayer",
            "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer", "Pool1DLayer", "Pool2DLayer",
-           "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer", "StandardizationLayer", "Upscale1DLayer",
-           "Upscale2DLayer", "Upscale3DLayer", "add_state_updates", "average_running_statistics", "batch_norm",
-           "concat", "count_params", "dimshuffle", "dropout", "flatten", "get_all_layers", "get_all_param_values",
-           "get_all_params", "get_output", "get_output_shape", "get_running_statistics", "get_state_updates", "pad",
-           "reshape", "set_all_param_values", "standardize"]
+           "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer", "SpatialPyramidPoolingLayer",
+           "StandardizationLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates",
+           "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle", "dropout", "flatten",
+           "get_all_layers", "get_all_param_values", "get_all_params", "get_output", "get_output_shape",
+           "get_running_statistics", "get_state_updates", "pad", "reshape", "set_all_param_values", "standardize"]
