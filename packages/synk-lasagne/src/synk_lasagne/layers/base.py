@@ -96,6 +96,10 @@ class Layer:
         ``shared variable -> set of tags``.
     """
 
+    get_output_kwargs: list[str] = []
+    """Keyword arguments that ``get_output_for`` takes through ``**kwargs`` (besides those of its
+    signature): :func:`~synk_lasagne.layers.get_output` warns about any that no layer takes."""
+
     def __init__(self, incoming: Any, name: str | None = None) -> None:
         if isinstance(incoming, tuple):
             self.input_shape: Shape = incoming
@@ -116,12 +120,15 @@ class Layer:
 
     def get_params(self, unwrap_shared: bool = True, **tags: bool) -> list[Any]:
         """The parameters, filtered by tags: ``trainable=True`` keeps those tagged trainable,
-        ``regularizable=False`` those not tagged regularizable."""
-        result = list(self.params)
+        ``regularizable=False`` those not tagged regularizable.  A parameter given as an expression
+        counts as the shared variables it is computed from (``unwrap_shared=False``: itself)."""
+        from synk_lasagne.utils import collect_shared_vars
+
         wanted = [tag for tag, value in tags.items() if value]
         unwanted = [tag for tag, value in tags.items() if not value]
-        return [p for p in result if all(t in self.params[p] for t in wanted)
-                and not any(t in self.params[p] for t in unwanted)]
+        result = [p for p in self.params if all(t in self.params[p] for t in wanted)
+                  and not any(t in self.params[p] for t in unwanted)]
+        return collect_shared_vars(result) if unwrap_shared else result
 
     def get_output_shape_for(self, input_shape: Any) -> Shape:
         """The output shape for an input of ``input_shape`` (default: the same)."""
@@ -145,7 +152,11 @@ class Layer:
 
     def __repr__(self) -> str:
         label = f" {self.name!r}" if self.name else ""
-        return f"<{type(self).__name__}{label} {self.output_shape}>"
+        try:
+            shape = f" {self.output_shape}"
+        except (AttributeError, NotImplementedError, TypeError, ValueError):
+            shape = ""  # an abstract layer, or one whose shape cannot be computed
+        return f"<{type(self).__name__}{label}{shape}>"
 
 
 class MergeLayer(Layer):
@@ -159,7 +170,12 @@ class MergeLayer(Layer):
 
     @property
     def output_shape(self) -> Shape:
-        return self.get_output_shape_for(self.input_shapes)
+        """The shape of the output; an AttributeError for a class without ``get_output_shape_for``
+        (so that ``hasattr`` and ``unittest.mock``'s specs see no attribute)."""
+        try:
+            return self.get_output_shape_for(self.input_shapes)
+        except NotImplementedError as error:
+            raise AttributeError(str(error)) from error
 
     def get_output_shape_for(self, input_shapes: Any) -> Shape:
         raise NotImplementedError(f"{type(self).__name__} must implement get_output_shape_for")

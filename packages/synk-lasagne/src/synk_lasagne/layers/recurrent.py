@@ -39,7 +39,7 @@ from synk_lasagne import nonlinearities
 from synk_lasagne.init import Constant, Normal, Uniform
 from synk_lasagne.layers.base import Layer, MergeLayer
 from synk_lasagne.layers.dense import DenseLayer
-from synk_lasagne.layers.helper import get_all_layers, get_all_params, get_output
+from synk_lasagne.layers.helper import _accepted_kwargs, get_all_layers, get_all_params, get_output
 from synk_lasagne.layers.input import InputLayer
 
 __all__ = ["CustomRecurrentLayer", "GRULayer", "Gate", "LSTMLayer", "RecurrentLayer"]
@@ -243,6 +243,8 @@ class CustomRecurrentLayer(_Recurrent):
             raise ValueError(f"hidden_to_hidden maps shape {hid_layer.shape} to {hid_out}: the state needs the same "
                              "shape in and out (after the first axis)")
         self._initial_state("hid_init", hid_init, hid_out[1:])
+        # get_output's keyword arguments reach the two networks
+        self.get_output_kwargs = sorted(_accepted_kwargs(get_all_layers([input_to_hidden, hidden_to_hidden])))
 
     def get_params(self, unwrap_shared: bool = True, **tags: bool) -> list[Any]:
         """This layer's own (the initial state) and those of its two networks."""
