@@ -24,7 +24,9 @@ recurrent                       :class:`CustomRecurrentLayer`, :class:`Recurrent
 shape                           :class:`FlattenLayer`, :class:`ReshapeLayer`, :class:`DimshuffleLayer`,
                                 :class:`PadLayer`, :class:`SliceLayer`
 special                         :class:`NonlinearityLayer`, :class:`ExpressionLayer`, :class:`BiasLayer`,
-                                :class:`ScaleLayer`, :func:`standardize`
+                                :class:`ScaleLayer`, :func:`standardize`,
+                                :class:`ParametricRectifierLayer` (:func:`prelu`),
+                                :class:`RandomizedRectifierLayer` (:func:`rrelu`), :class:`InverseLayer`
 state updates                   :func:`get_state_updates` (batch norm's running averages, dropout's
                                 generators: what a training function must apply),
                                 :func:`add_state_updates`
@@ -96,15 +98,27 @@ from synk_lasagne.layers.shape import (
     pad,
     reshape,
 )
-from synk_lasagne.layers.special import BiasLayer, ExpressionLayer, NonlinearityLayer, ScaleLayer, standardize
+from synk_lasagne.layers.special import (
+    BiasLayer,
+    ExpressionLayer,
+    InverseLayer,
+    NonlinearityLayer,
+    ParametricRectifierLayer,
+    RandomizedRectifierLayer,
+    ScaleLayer,
+    prelu,
+    rrelu,
+    standardize,
+)
 
 __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "CustomRecurrentLayer",
            "DenseLayer", "DimshuffleLayer", "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
            "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate", "GaussianNoiseLayer",
-           "GlobalPoolLayer", "InputLayer", "LSTMLayer", "Layer", "LocallyConnected2DLayer", "MaxPool1DLayer",
-           "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer", "Pool1DLayer", "Pool2DLayer",
-           "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer", "SpatialPyramidPoolingLayer",
-           "StandardizationLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates",
-           "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle", "dropout", "flatten",
-           "get_all_layers", "get_all_param_values", "get_all_params", "get_output", "get_output_shape",
-           "get_running_statistics", "get_state_updates", "pad", "reshape", "set_all_param_values", "standardize"]
+           "GlobalPoolLayer", "InputLayer", "InverseLayer", "LSTMLayer", "Layer", "LocallyConnected2DLayer",
+           "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer",
+           "ParametricRectifierLayer", "Pool1DLayer", "Pool2DLayer", "RandomizedRectifierLayer", "RecurrentLayer",
+           "ReshapeLayer", "ScaleLayer", "SliceLayer", "SpatialPyramidPoolingLayer", "StandardizationLayer",
+           "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates", "average_running_statistics",
+           "batch_norm", "concat", "count_params", "dimshuffle", "dropout", "flatten", "get_all_layers",
+           "get_all_param_values", "get_all_params", "get_output", "get_output_shape", "get_running_statistics",
+           "get_state_updates", "pad", "prelu", "reshape", "rrelu", "set_all_param_values", "standardize"]

@@ -1,4 +1,6 @@
-"""Layers without a family: :class:`NonlinearityLayer`, :class:`ExpressionLayer`."""
+"""Layers without a family: :class:`NonlinearityLayer`, :class:`ExpressionLayer`,
+:class:`BiasLayer`, :class:`ScaleLayer`, :class:`ParametricRectifierLayer` (:func:`prelu`),
+:class:`RandomizedRectifierLayer` (:func:`rrelu`), :class:`InverseLayer`."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ from typing import Any
 
 from synk_lasagne import nonlinearities
 from synk_lasagne.init import ONES, ZEROS
-from synk_lasagne.layers.base import Layer
+from synk_lasagne.layers.base import Layer, MergeLayer
 
-__all__ = ["BiasLayer", "ExpressionLayer", "NonlinearityLayer", "ScaleLayer", "standardize"]
+__all__ = ["BiasLayer", "ExpressionLayer", "InverseLayer", "NonlinearityLayer", "ParametricRectifierLayer",
+           "RandomizedRectifierLayer", "ScaleLayer", "prelu", "rrelu", "standardize"]
 
 
 class NonlinearityLayer(Layer):
@@ -25,7 +28,8 @@ class NonlinearityLayer(Layer):
 
 class ExpressionLayer(Layer):
     """``function(input)`` for any expression; ``output_shape`` a tuple, a callable of the input
-    shape, or None (the input's shape)."""
+    shape, None (the input's shape) or ``"auto"`` (found by applying ``function`` to a variable of
+    the input's shape: the lengths PyTensor can tell, None for the others)."""
 
     def __init__(self, incoming: Any, function: Callable[[Any], Any], output_shape: Any = None,
                  **kwargs: Any) -> None:
@@ -36,6 +40,8 @@ class ExpressionLayer(Layer):
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
         if self._output_shape is None:
             return tuple(input_shape)
+        if isinstance(self._output_shape, str) and self._output_shape == "auto":
+            return _auto_shape(self.function, tuple(input_shape))
         if callable(self._output_shape):
             return tuple(self._output_shape(input_shape))
         return tuple(self._output_shape)
@@ -44,11 +50,28 @@ class ExpressionLayer(Layer):
         return self.function(input)
 
 
+def _auto_shape(function: Callable[[Any], Any], input_shape: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The output shape of ``function`` for an input of ``input_shape``: computed on zeros when
+    every length is known, else the static shape PyTensor infers (None where it cannot)."""
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    x = pt.tensor(dtype=pytensor.config.floatX, shape=input_shape)
+    out = pt.as_tensor_variable(function(x))
+    if all(n is not None for n in input_shape):
+        shape_of = pytensor.function([x], out.shape, mode="FAST_COMPILE", on_unused_input="ignore")
+        return tuple(int(n) for n in shape_of(np.zeros(input_shape, dtype=x.dtype)))
+    return tuple(out.type.shape)
+
+
 def _shared_axes(shared_axes: Any, ndim: int) -> tuple[int, ...]:
     from synk_lasagne.utils import int_types
 
     if shared_axes == "auto":  # every axis but the second (the channels)
         return (0, *range(2, ndim))
+    if shared_axes == "all":
+        return tuple(range(ndim))
     if isinstance(shared_axes, int_types):
         return (int(shared_axes),)
     return tuple(shared_axes)
@@ -103,3 +126,129 @@ def standardize(layer: Any, offset: Any, scale: Any, shared_axes: Any = "auto") 
     layer = ScaleLayer(layer, floatX(1.0) / scale, shared_axes)
     layer.params[layer.scales].discard("trainable")
     return layer
+
+
+def _unshared_shape(layer: Layer, what: str) -> list[Any]:
+    shape = [n for axis, n in enumerate(layer.input_shape) if axis not in layer.shared_axes]  # type: ignore[attr-defined]
+    if any(n is None for n in shape):
+        raise ValueError(f"{type(layer).__name__} needs specified input sizes for all axes that {what} are not shared "
+                         f"over (input shape {layer.input_shape})")
+    return shape
+
+
+class ParametricRectifierLayer(Layer):
+    """PReLU (He et al. 2015): ``max(x, 0) + alpha * min(x, 0)`` with a learned ``alpha``.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    alpha : initialiser, array or shared variable
+        Default 0.25; shape: the input's axes not in ``shared_axes`` (a scalar for ``"all"``).
+    shared_axes : "auto", "all", int or tuple of int
+        Axes sharing one alpha: ``"auto"`` every axis but the second (one per channel).
+    """
+
+    def __init__(self, incoming: Any, alpha: Any = None, shared_axes: Any = "auto", **kwargs: Any) -> None:
+        from synk_lasagne.init import Constant
+
+        super().__init__(incoming, **kwargs)
+        self.shared_axes = _shared_axes(shared_axes, len(self.input_shape))
+        self.alpha = self.add_param(Constant(0.25) if alpha is None else alpha, _unshared_shape(self, "alphas"),
+                                    name="alpha", regularizable=False)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        input = pt.as_tensor_variable(input)
+        alpha = _broadcast(self.alpha, self.shared_axes, input.ndim)
+        return pt.maximum(input, 0) + alpha * pt.minimum(input, 0)
+
+
+def _without_nonlinearity(layer: Any) -> Any:
+    from synk_lasagne.nonlinearities import identity
+
+    if getattr(layer, "nonlinearity", None) is not None:
+        layer.nonlinearity = identity
+    return layer
+
+
+def prelu(layer: Any, **kwargs: Any) -> ParametricRectifierLayer:
+    """``layer`` with its nonlinearity (if any) replaced by a :class:`ParametricRectifierLayer` on top."""
+    return ParametricRectifierLayer(_without_nonlinearity(layer), **kwargs)
+
+
+class RandomizedRectifierLayer(Layer):
+    """RReLU (Xu et al. 2015): ``max(x, 0) + a * min(x, 0)`` with ``a ~ U(lower, upper)`` drawn
+    each call in training, ``(lower + upper) / 2`` when ``deterministic``.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    lower, upper : float
+        ``0 <= lower <= upper < 1``.
+    shared_axes : "auto", "all", int or tuple of int
+        Axes sharing one draw (``"auto"``: every axis but the second).
+    """
+
+    def __init__(self, incoming: Any, lower: float = 0.3, upper: float = 0.8, shared_axes: Any = "auto",
+                 **kwargs: Any) -> None:
+        import numpy as np
+        import pytensor
+
+        from synk_lasagne.random import get_rng
+
+        super().__init__(incoming, **kwargs)
+        if not 0 <= lower <= upper < 1:
+            raise ValueError(f"RandomizedRectifierLayer needs 0 <= lower <= upper < 1, got lower={lower}, "
+                             f"upper={upper}")
+        self.lower, self.upper = lower, upper
+        self.shared_axes = _shared_axes(shared_axes, len(self.input_shape))
+        self.rng = pytensor.shared(np.random.default_rng(get_rng().randint(1, 2147462579)),
+                                   name=f"{self.name}.rng" if self.name else "rrelu.rng")
+
+    def get_output_for(self, input: Any, deterministic: bool = False, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        from synk_lasagne.layers.base import add_state_updates
+
+        input = pt.as_tensor_variable(input)
+        if deterministic or self.upper == self.lower:
+            return pt.maximum(input, 0) + (self.lower + self.upper) / 2 * pt.minimum(input, 0)
+        shape = tuple(1 if axis in self.shared_axes else input.shape[axis] for axis in range(input.ndim))
+        next_rng, slopes = pt.random.uniform(self.lower, self.upper, size=shape, rng=self.rng,
+                                             return_next_rng=True)
+        slopes = pt.specify_broadcastable(pt.cast(slopes, input.dtype), *self.shared_axes)
+        output = pt.maximum(input, 0) + slopes * pt.minimum(input, 0)
+        add_state_updates(output, [(self.rng, next_rng)])
+        return output
+
+
+def rrelu(layer: Any, **kwargs: Any) -> RandomizedRectifierLayer:
+    """``layer`` with its nonlinearity (if any) replaced by a :class:`RandomizedRectifierLayer` on top."""
+    return RandomizedRectifierLayer(_without_nonlinearity(layer), **kwargs)
+
+
+class InverseLayer(MergeLayer):
+    """The transpose of ``layer``'s linearisation applied to ``incoming``: ``J^T g`` where ``J`` is
+    the Jacobian of ``layer``'s output with respect to its input (e.g. ``g W^T`` for a dense
+    layer without nonlinearity; an unpooling for a max pooling layer).
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+        Shaped as ``layer``'s output.
+    layer : Layer
+        The layer to invert; its output shape is ``layer.input_shape``.
+    """
+
+    def __init__(self, incoming: Any, layer: Layer, **kwargs: Any) -> None:
+        super().__init__([incoming, layer, layer.input_layer], **kwargs)
+
+    def get_output_shape_for(self, input_shapes: Any) -> tuple[Any, ...]:
+        return tuple(input_shapes[2])
+
+    def get_output_for(self, inputs: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        import pytensor
+
+        given, layer_out, layer_in = inputs
+        return pytensor.grad(None, wrt=layer_in, known_grads={layer_out: given})

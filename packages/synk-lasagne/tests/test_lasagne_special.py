@@ -1,0 +1,84 @@
+"""synk_lasagne's PReLU, RReLU, InverseLayer and ExpressionLayer(output_shape="auto") (one process)
+against numpy, with one gradient each where there is a parameter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+from synk_lasagne import layers, nonlinearities
+from synk_lasagne.layers.base import get_state_updates
+
+FAST = {"mode": "FAST_COMPILE"}
+
+
+def test_prelu_per_channel_values_and_gradient():
+    x = np.random.default_rng(0).normal(size=(4, 3, 2, 2))
+    l_in = layers.InputLayer((None, 3, 2, 2))
+    layer = layers.ParametricRectifierLayer(l_in, alpha=np.array([0.1, 0.2, 0.3]))
+    out = layers.get_output(layer)
+    f = pytensor.function([l_in.input_var], [out, pytensor.grad(pt.sum(out), layer.alpha)], **FAST)
+    got, grad = f(x)
+    alpha = np.array([0.1, 0.2, 0.3])[None, :, None, None]
+    np.testing.assert_allclose(got, np.where(x > 0, x, alpha * x))
+    np.testing.assert_allclose(grad, np.minimum(x, 0).sum(axis=(0, 2, 3)))  # d/d alpha_c = sum of the negatives
+    assert layers.ParametricRectifierLayer(l_in, shared_axes="all").alpha.get_value().shape == ()
+    with pytest.raises(ValueError, match="not shared"):
+        layers.ParametricRectifierLayer(l_in, shared_axes=(1, 2, 3))
+
+
+def test_prelu_and_rrelu_replace_the_nonlinearity():
+    dense = layers.DenseLayer(layers.InputLayer((None, 3)), 4, nonlinearity=nonlinearities.rectify)
+    assert isinstance(layers.prelu(dense), layers.ParametricRectifierLayer)
+    assert dense.nonlinearity is nonlinearities.identity
+    assert isinstance(layers.rrelu(dense, lower=0.1, upper=0.2), layers.RandomizedRectifierLayer)
+
+
+def test_rrelu_slopes_draws_and_determinism():
+    x = -np.ones((50, 3, 2))
+    l_in = layers.InputLayer((None, 3, 2))
+    layer = layers.RandomizedRectifierLayer(l_in, lower=0.2, upper=0.4)
+    out = layers.get_output(layer)
+    f = pytensor.function([l_in.input_var], out, updates=get_state_updates(out), **FAST)
+    first, second = f(x), f(x)
+    slopes = -first
+    assert slopes.min() >= 0.2 and slopes.max() <= 0.4
+    assert np.allclose(slopes.var(axis=(0, 2)), 0)  # one slope per channel (shared over axes 0 and 2)
+    assert not np.allclose(first, second)  # a new draw each call: the generator's update applies
+    deterministic = layers.get_output(layer, deterministic=True)
+    np.testing.assert_allclose(pytensor.function([l_in.input_var], deterministic, **FAST)(x), -0.3 * np.ones_like(x))
+    np.testing.assert_allclose(pytensor.function([l_in.input_var], out, **FAST)(-x), -x)  # positives pass
+    with pytest.raises(ValueError, match="lower <= upper"):
+        layers.RandomizedRectifierLayer(l_in, lower=0.5, upper=0.1)
+
+
+def test_inverse_layer_of_dense_and_of_max_pooling():
+    x = np.random.default_rng(1).normal(size=(5, 6))
+    l_in = layers.InputLayer((None, 6))
+    dense = layers.DenseLayer(l_in, 3, b=None, nonlinearity=None)
+    inverse = layers.InverseLayer(dense, dense)
+    assert inverse.output_shape == (None, 6)
+    W = dense.W.get_value()
+    np.testing.assert_allclose(pytensor.function([l_in.input_var], layers.get_output(inverse), **FAST)(x),
+                               x @ W @ W.T)
+    images = np.random.default_rng(2).normal(size=(1, 1, 4, 4))
+    l_img = layers.InputLayer((None, 1, 4, 4))
+    pool = layers.MaxPool2DLayer(l_img, 2)
+    unpooled = pytensor.function([l_img.input_var], layers.get_output(layers.InverseLayer(pool, pool)), **FAST)(images)
+    windows = images.reshape(2, 2, 2, 2).transpose(0, 2, 1, 3).reshape(4, 4)
+    expected = np.zeros((4, 4))
+    for w, (r, c) in enumerate([(0, 0), (0, 2), (2, 0), (2, 2)]):
+        i = windows[w].argmax()
+        expected[r + i // 2, c + i % 2] = windows[w].max()
+    np.testing.assert_allclose(unpooled[0, 0], expected)
+
+
+@pytest.mark.parametrize("function,expected", [(lambda x: x ** 2, (1, None, None, 5)),
+                                               (lambda x: x.mean(-1), (1, None, None)),
+                                               (lambda x: x.sum(), ())])
+def test_expression_layer_auto_shape(function, expected):
+    layer = layers.ExpressionLayer(layers.InputLayer((1, None, None, 5)), function, output_shape="auto")
+    assert layer.output_shape == expected
+    assert layer.get_output_shape_for((2, 3, 4, 5)) == np.shape(function(np.zeros((2, 3, 4, 5))))
