@@ -15,7 +15,9 @@ pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :
                                 :class:`Upscale1DLayer`, :class:`Upscale2DLayer`, :class:`Upscale3DLayer`,
                                 :class:`SpatialPyramidPoolingLayer`
 normalization                   :class:`BatchNormLayer`, :func:`batch_norm`, :class:`StandardizationLayer`,
-                                :func:`average_running_statistics`, :func:`get_running_statistics`
+                                :func:`average_running_statistics`, :func:`get_running_statistics`,
+                                :func:`instance_norm`, :func:`layer_norm`,
+                                :class:`LocalResponseNormalization2DLayer`
 merge                           :class:`ElemwiseSumLayer`, :class:`ConcatLayer`
 noise                           :class:`DropoutLayer`, :class:`GaussianNoiseLayer`
 embedding                       :class:`EmbeddingLayer`, :class:`NINLayer` (network in network)
@@ -68,10 +70,13 @@ from synk_lasagne.layers.merge import ConcatLayer, ElemwiseSumLayer, concat
 from synk_lasagne.layers.noise import DropoutLayer, GaussianNoiseLayer, dropout
 from synk_lasagne.layers.normalization import (
     BatchNormLayer,
+    LocalResponseNormalization2DLayer,
     StandardizationLayer,
     average_running_statistics,
     batch_norm,
     get_running_statistics,
+    instance_norm,
+    layer_norm,
 )
 from synk_lasagne.layers.pool import (
     FeaturePoolLayer,
@@ -114,11 +119,12 @@ from synk_lasagne.layers.special import (
 __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "CustomRecurrentLayer",
            "DenseLayer", "DimshuffleLayer", "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
            "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate", "GaussianNoiseLayer",
-           "GlobalPoolLayer", "InputLayer", "InverseLayer", "LSTMLayer", "Layer", "LocallyConnected2DLayer",
-           "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer",
-           "ParametricRectifierLayer", "Pool1DLayer", "Pool2DLayer", "RandomizedRectifierLayer", "RecurrentLayer",
-           "ReshapeLayer", "ScaleLayer", "SliceLayer", "SpatialPyramidPoolingLayer", "StandardizationLayer",
-           "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates", "average_running_statistics",
-           "batch_norm", "concat", "count_params", "dimshuffle", "dropout", "flatten", "get_all_layers",
-           "get_all_param_values", "get_all_params", "get_output", "get_output_shape", "get_running_statistics",
-           "get_state_updates", "pad", "prelu", "reshape", "rrelu", "set_all_param_values", "standardize"]
+           "GlobalPoolLayer", "InputLayer", "InverseLayer", "LSTMLayer", "Layer", "LocalResponseNormalization2DLayer",
+           "LocallyConnected2DLayer", "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer",
+           "NonlinearityLayer", "PadLayer", "ParametricRectifierLayer", "Pool1DLayer", "Pool2DLayer",
+           "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
+           "SpatialPyramidPoolingLayer", "StandardizationLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer",
+           "add_state_updates", "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle",
+           "dropout", "flatten", "get_all_layers", "get_all_param_values", "get_all_params", "get_output",
+           "get_output_shape", "get_running_statistics", "get_state_updates", "instance_norm", "layer_norm", "pad",
+           "prelu", "reshape", "rrelu", "set_all_param_values", "standardize"]
