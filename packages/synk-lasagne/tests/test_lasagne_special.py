@@ -82,3 +82,20 @@ def test_expression_layer_auto_shape(function, expected):
     layer = layers.ExpressionLayer(layers.InputLayer((1, None, None, 5)), function, output_shape="auto")
     assert layer.output_shape == expected
     assert layer.get_output_shape_for((2, 3, 4, 5)) == np.shape(function(np.zeros((2, 3, 4, 5))))
+
+
+def test_merge_layers_crop_inputs_to_a_common_length():
+    a, b = np.arange(5 * 3.0).reshape(5, 3), np.arange(4 * 6.0).reshape(4, 6)
+    l_a, l_b = layers.InputLayer((None, 3)), layers.InputLayer((None, 6))
+    maximum = layers.ElemwiseMergeLayer([l_a, l_b], pt.maximum, cropping=["center", "upper"])
+    concat = layers.ConcatLayer([l_a, l_b], axis=1, cropping=["lower", "lower"])
+    total = layers.ElemwiseSumLayer([l_a, l_b], coeffs=[2, -1], cropping=["lower", "lower"])
+    assert maximum.output_shape == (None, 3) and concat.output_shape == (None, 9)
+    f = pytensor.function([l_a.input_var, l_b.input_var], layers.get_output([maximum, concat, total]), **FAST)
+    got_max, got_concat, got_total = f(a, b)
+    np.testing.assert_array_equal(got_max, np.maximum(a[0:4], b[:, 3:]))  # rows: (5 - 4) // 2 = 0 onwards
+    np.testing.assert_array_equal(got_concat, np.concatenate([a[:4], b[:4]], axis=1))
+    np.testing.assert_array_equal(got_total, 2 * a[:4, :3] - b[:4, :3])
+    assert layers.autocrop_array_shapes([(None, 3), (4, 6)], ["lower", "upper"]) == [(None, 3), (None, 3)]
+    with pytest.raises(ValueError, match="unknown cropping"):
+        layers.autocrop_array_shapes([(1, 2), (3, 4)], ["middle"])

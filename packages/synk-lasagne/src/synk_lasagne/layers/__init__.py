@@ -18,7 +18,8 @@ normalization                   :class:`BatchNormLayer`, :func:`batch_norm`, :cl
                                 :func:`average_running_statistics`, :func:`get_running_statistics`,
                                 :func:`instance_norm`, :func:`layer_norm`,
                                 :class:`LocalResponseNormalization2DLayer`
-merge                           :class:`ElemwiseSumLayer`, :class:`ConcatLayer`
+merge                           :class:`ElemwiseSumLayer`, :class:`ElemwiseMergeLayer`, :class:`ConcatLayer`,
+                                :func:`autocrop`
 noise                           :class:`DropoutLayer`, :class:`GaussianNoiseLayer`
 embedding                       :class:`EmbeddingLayer`, :class:`NINLayer` (network in network)
 recurrent                       :class:`CustomRecurrentLayer`, :class:`RecurrentLayer`, :class:`LSTMLayer`,
@@ -66,7 +67,14 @@ from synk_lasagne.layers.helper import (
 )
 from synk_lasagne.layers.input import InputLayer
 from synk_lasagne.layers.local import LocallyConnected2DLayer
-from synk_lasagne.layers.merge import ConcatLayer, ElemwiseSumLayer, concat
+from synk_lasagne.layers.merge import (
+    ConcatLayer,
+    ElemwiseMergeLayer,
+    ElemwiseSumLayer,
+    autocrop,
+    autocrop_array_shapes,
+    concat,
+)
 from synk_lasagne.layers.noise import DropoutLayer, GaussianNoiseLayer, dropout
 from synk_lasagne.layers.normalization import (
     BatchNormLayer,
@@ -117,14 +125,14 @@ from synk_lasagne.layers.special import (
 )
 
 __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "CustomRecurrentLayer",
-           "DenseLayer", "DimshuffleLayer", "DropoutLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
-           "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate", "GaussianNoiseLayer",
-           "GlobalPoolLayer", "InputLayer", "InverseLayer", "LSTMLayer", "Layer", "LocalResponseNormalization2DLayer",
-           "LocallyConnected2DLayer", "MaxPool1DLayer", "MaxPool2DLayer", "MergeLayer", "NINLayer",
-           "NonlinearityLayer", "PadLayer", "ParametricRectifierLayer", "Pool1DLayer", "Pool2DLayer",
-           "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
+           "DenseLayer", "DimshuffleLayer", "DropoutLayer", "ElemwiseMergeLayer", "ElemwiseSumLayer",
+           "EmbeddingLayer", "ExpressionLayer", "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer",
+           "Gate", "GaussianNoiseLayer", "GlobalPoolLayer", "InputLayer", "InverseLayer", "LSTMLayer", "Layer",
+           "LocalResponseNormalization2DLayer", "LocallyConnected2DLayer", "MaxPool1DLayer", "MaxPool2DLayer",
+           "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer", "ParametricRectifierLayer", "Pool1DLayer",
+           "Pool2DLayer", "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
            "SpatialPyramidPoolingLayer", "StandardizationLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer",
-           "add_state_updates", "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle",
-           "dropout", "flatten", "get_all_layers", "get_all_param_values", "get_all_params", "get_output",
-           "get_output_shape", "get_running_statistics", "get_state_updates", "instance_norm", "layer_norm", "pad",
-           "prelu", "reshape", "rrelu", "set_all_param_values", "standardize"]
+           "add_state_updates", "autocrop", "autocrop_array_shapes", "average_running_statistics", "batch_norm",
+           "concat", "count_params", "dimshuffle", "dropout", "flatten", "get_all_layers", "get_all_param_values",
+           "get_all_params", "get_output", "get_output_shape", "get_running_statistics", "get_state_updates",
+           "instance_norm", "layer_norm", "pad", "prelu", "reshape", "rrelu", "set_all_param_values", "standardize"]
