@@ -99,3 +99,14 @@ def test_merge_layers_crop_inputs_to_a_common_length():
     assert layers.autocrop_array_shapes([(None, 3), (4, 6)], ["lower", "upper"]) == [(None, 3), (None, 3)]
     with pytest.raises(ValueError, match="unknown cropping"):
         layers.autocrop_array_shapes([(1, 2), (3, 4)], ["middle"])
+
+
+def test_dropout_variants_share_their_masks():
+    x = np.ones((50, 4, 3, 3))
+    l_in = layers.InputLayer((None, 4, 3, 3))
+    channels = layers.get_output(layers.dropout_channels(l_in, p=0.5))
+    locations = layers.get_output(layers.dropout_locations(l_in, p=0.5))
+    by_channel, by_location = pytensor.function([l_in.input_var], [channels, locations], **FAST)(x)
+    assert np.all(by_channel.var(axis=(2, 3)) == 0) and by_channel.var() > 0  # whole maps kept or dropped
+    assert np.all(by_location.var(axis=1) == 0) and by_location.var() > 0  # whole positions
+    assert set(np.unique(by_channel)) <= {0.0, 2.0}

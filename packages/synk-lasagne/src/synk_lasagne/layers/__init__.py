@@ -20,7 +20,8 @@ normalization                   :class:`BatchNormLayer`, :func:`batch_norm`, :cl
                                 :class:`LocalResponseNormalization2DLayer`
 merge                           :class:`ElemwiseSumLayer`, :class:`ElemwiseMergeLayer`, :class:`ConcatLayer`,
                                 :func:`autocrop`
-noise                           :class:`DropoutLayer`, :class:`GaussianNoiseLayer`
+noise                           :class:`DropoutLayer` (:func:`dropout_channels`, :func:`dropout_locations`),
+                                :class:`GaussianNoiseLayer`
 embedding                       :class:`EmbeddingLayer`, :class:`NINLayer` (network in network)
 recurrent                       :class:`CustomRecurrentLayer`, :class:`RecurrentLayer`, :class:`LSTMLayer`,
                                 :class:`GRULayer`, :class:`Gate`
@@ -75,7 +76,14 @@ from synk_lasagne.layers.merge import (
     autocrop_array_shapes,
     concat,
 )
-from synk_lasagne.layers.noise import DropoutLayer, GaussianNoiseLayer, dropout
+from synk_lasagne.layers.noise import (
+    DropoutLayer,
+    GaussianNoiseLayer,
+    dropout,
+    dropout_channels,
+    dropout_locations,
+    spatial_dropout,
+)
 from synk_lasagne.layers.normalization import (
     BatchNormLayer,
     LocalResponseNormalization2DLayer,
@@ -133,6 +141,7 @@ __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DL
            "Pool2DLayer", "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
            "SpatialPyramidPoolingLayer", "StandardizationLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer",
            "add_state_updates", "autocrop", "autocrop_array_shapes", "average_running_statistics", "batch_norm",
-           "concat", "count_params", "dimshuffle", "dropout", "flatten", "get_all_layers", "get_all_param_values",
-           "get_all_params", "get_output", "get_output_shape", "get_running_statistics", "get_state_updates",
-           "instance_norm", "layer_norm", "pad", "prelu", "reshape", "rrelu", "set_all_param_values", "standardize"]
+           "concat", "count_params", "dimshuffle", "dropout", "dropout_channels", "dropout_locations", "flatten",
+           "get_all_layers", "get_all_param_values", "get_all_params", "get_output", "get_output_shape",
+           "get_running_statistics", "get_state_updates", "instance_norm", "layer_norm", "pad", "prelu", "reshape",
+           "rrelu", "set_all_param_values", "spatial_dropout", "standardize"]

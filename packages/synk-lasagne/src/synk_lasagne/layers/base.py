@@ -78,6 +78,16 @@ def get_state_updates(expression_or_expressions: Any) -> list[tuple[Any, Any]]:
     return list(updates.items())
 
 
+def _checked(layer: Any, shape: Any) -> Any:
+    """``shape``, or a ValueError if it is an expression or holds one (a shape must be numbers)."""
+    from pytensor.graph.basic import Variable
+
+    if isinstance(shape, Variable) or any(isinstance(n, Variable) for n in shape):
+        raise ValueError(f"{type(layer).__name__} computed a symbolic output shape {shape}: get_output_shape_for "
+                         "must return ints and None (None for lengths known only at run time)")
+    return shape
+
+
 class Layer:
     """A layer with one input: a layer, or a shape tuple for a layer without one.
 
@@ -116,7 +126,7 @@ class Layer:
     @property
     def output_shape(self) -> Shape:
         """The shape of the output (None for unknown lengths)."""
-        return self.get_output_shape_for(self.input_shape)
+        return _checked(self, self.get_output_shape_for(self.input_shape))
 
     def get_params(self, unwrap_shared: bool = True, **tags: bool) -> list[Any]:
         """The parameters, filtered by tags: ``trainable=True`` keeps those tagged trainable,
@@ -132,7 +142,7 @@ class Layer:
 
     def get_output_shape_for(self, input_shape: Any) -> Shape:
         """The output shape for an input of ``input_shape`` (default: the same)."""
-        return tuple(input_shape)
+        return input_shape
 
     def get_output_for(self, input: Any, **kwargs: Any) -> Any:
         """The output expression for the input expression ``input``."""
@@ -173,9 +183,10 @@ class MergeLayer(Layer):
         """The shape of the output; an AttributeError for a class without ``get_output_shape_for``
         (so that ``hasattr`` and ``unittest.mock``'s specs see no attribute)."""
         try:
-            return self.get_output_shape_for(self.input_shapes)
+            shape = self.get_output_shape_for(self.input_shapes)
         except NotImplementedError as error:
             raise AttributeError(str(error)) from error
+        return _checked(self, shape)
 
     def get_output_shape_for(self, input_shapes: Any) -> Shape:
         raise NotImplementedError(f"{type(self).__name__} must implement get_output_shape_for")
