@@ -110,3 +110,16 @@ def test_dropout_variants_share_their_masks():
     assert np.all(by_channel.var(axis=(2, 3)) == 0) and by_channel.var() > 0  # whole maps kept or dropped
     assert np.all(by_location.var(axis=1) == 0) and by_location.var() > 0  # whole positions
     assert set(np.unique(by_channel)) <= {0.0, 2.0}
+
+
+def test_reshape_layer_symbolic_lengths_and_size_checks():
+    x = pt.tensor3("x")
+    batch, steps, _ = x.shape
+    l_in = layers.InputLayer((None, None, 4))
+    layer = layers.ReshapeLayer(l_in, (batch * steps, [2]))
+    assert layer.output_shape == (None, 4)
+    values = np.arange(2 * 3 * 4.0).reshape(2, 3, 4)
+    np.testing.assert_array_equal(layers.get_output(layer, x).eval({x: values}), values.reshape(6, 4))
+    assert layers.ReshapeLayer(layers.InputLayer((5, None, 2)), (-1, [1], [1])).output_shape == (None, None, None)
+    with pytest.raises(ValueError, match="does not match"):
+        layers.ReshapeLayer(layers.InputLayer((5, None, 2)), (3, [1], -1))

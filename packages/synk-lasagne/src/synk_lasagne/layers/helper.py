@@ -26,6 +26,11 @@ __all__ = ["count_params", "get_all_layers", "get_all_param_values", "get_all_pa
            "get_output_shape", "set_all_param_values"]
 
 
+class InputKeyError(TypeError, ValueError):
+    """A key of ``get_output``'s ``inputs`` that is not a layer (a TypeError as Lasagne 0.2 raises,
+    and a ValueError as Lasagne 0.1 did)."""
+
+
 def _as_list(layer_or_layers: Any) -> tuple[list[Any], bool]:
     if isinstance(layer_or_layers, (list, tuple)):
         return list(layer_or_layers), False
@@ -96,8 +101,8 @@ def get_output(layer_or_layers: Any, inputs: Any = None, **kwargs: Any) -> Any:
     if isinstance(inputs, dict):
         wrong = [key for key in inputs if key is not None and not isinstance(key, Layer)]
         if wrong:
-            raise TypeError(f"the keys of inputs are layers (or None for the input of layers made from a shape); got "
-                            f"{wrong}")
+            raise InputKeyError(f"the keys of inputs are layers (or None for the input of layers made from a shape); "
+                                f"got {wrong}")
     given = inputs if isinstance(inputs, dict) else {}
     outputs: dict[Any, Any] = {lay: lay.input_var for lay in all_layers
                                if isinstance(lay, InputLayer) and lay not in given}
@@ -146,7 +151,9 @@ def _accepted_kwargs(layers: Sequence[Any]) -> set[str]:
             names.update(inspect_kwargs(lay.get_output_for))
         except (TypeError, ValueError):  # a callable without a signature
             pass
-        names.update(getattr(lay, "get_output_kwargs", ()))
+        listed = getattr(lay, "get_output_kwargs", ())
+        if isinstance(listed, (list, tuple, set)):
+            names.update(listed)
     return names
 
 
