@@ -123,3 +123,43 @@ def test_reshape_layer_symbolic_lengths_and_size_checks():
     assert layers.ReshapeLayer(layers.InputLayer((5, None, 2)), (-1, [1], [1])).output_shape == (None, None, None)
     with pytest.raises(ValueError, match="does not match"):
         layers.ReshapeLayer(layers.InputLayer((5, None, 2)), (3, [1], -1))
+
+
+def numpy_affine_sample(images, theta, out_rows, out_cols):
+    """Bilinear sampling of each image at theta @ [x, y, 1] over an output grid in [-1, 1]^2
+    (positions outside clipped to the border pixels)."""
+    batch, channels, rows, cols = images.shape
+    out = np.zeros((batch, channels, out_rows, out_cols))
+    for b in range(batch):
+        for i, gy in enumerate(np.linspace(-1, 1, out_rows)):
+            for j, gx in enumerate(np.linspace(-1, 1, out_cols)):
+                sx, sy = theta[b].reshape(2, 3) @ np.array([gx, gy, 1.0])
+                x, y = (sx + 1) / 2 * (cols - 1), (sy + 1) / 2 * (rows - 1)
+                x0, y0 = np.floor(x), np.floor(y)
+                value = 0
+                for xi, wx in ((x0, x0 + 1 - x), (x0 + 1, x - x0)):
+                    for yi, wy in ((y0, y0 + 1 - y), (y0 + 1, y - y0)):
+                        r, c = int(np.clip(yi, 0, rows - 1)), int(np.clip(xi, 0, cols - 1))
+                        value = value + wx * wy * images[b, :, r, c]
+                out[b, :, i, j] = value
+    return out
+
+
+def test_transformer_layer_matches_numpy_bilinear_sampling():
+    rng = np.random.default_rng(4)
+    images = rng.normal(size=(2, 2, 5, 6))
+    theta = np.array([[0.83, 0.27, 0.11, -0.19, 1.07, 0.04], [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]])  # no pixel edges
+    l_in, l_loc = layers.InputLayer((None, 2, 5, 6)), layers.InputLayer((None, 6))
+    layer = layers.TransformerLayer(l_in, l_loc, downsample_factor=(1.25, 1.5))
+    assert layer.output_shape == (None, 2, 4, 4)
+    out = layers.get_output(layer)
+    f = pytensor.function([l_in.input_var, l_loc.input_var], [out, pytensor.grad(pt.sum(out), l_loc.input_var)],
+                          **FAST)
+    got, grad = f(images, theta)
+    np.testing.assert_allclose(got, numpy_affine_sample(images, theta, 4, 4), atol=1e-10)
+    eps, shifted = 1e-6, theta.copy()
+    shifted[0, 2] += eps  # a horizontal shift: the gradient is the image's slope along x
+    numeric = (numpy_affine_sample(images, shifted, 4, 4)[0].sum() - numpy_affine_sample(images, theta, 4, 4)[0].sum())
+    np.testing.assert_allclose(grad[0, 2], numeric / eps, rtol=1e-4)
+    with pytest.raises(ValueError, match="localization network"):
+        layers.TransformerLayer(l_in, layers.InputLayer((None, 5)))

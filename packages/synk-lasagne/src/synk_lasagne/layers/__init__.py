@@ -30,7 +30,8 @@ shape                           :class:`FlattenLayer`, :class:`ReshapeLayer`, :c
 special                         :class:`NonlinearityLayer`, :class:`ExpressionLayer`, :class:`BiasLayer`,
                                 :class:`ScaleLayer`, :func:`standardize`,
                                 :class:`ParametricRectifierLayer` (:func:`prelu`),
-                                :class:`RandomizedRectifierLayer` (:func:`rrelu`), :class:`InverseLayer`
+                                :class:`RandomizedRectifierLayer` (:func:`rrelu`), :class:`InverseLayer`,
+                                :class:`TransformerLayer`
 state updates                   :func:`get_state_updates` (batch norm's running averages, dropout's
                                 generators: what a training function must apply),
                                 :func:`add_state_updates`
@@ -127,6 +128,7 @@ from synk_lasagne.layers.special import (
     ParametricRectifierLayer,
     RandomizedRectifierLayer,
     ScaleLayer,
+    TransformerLayer,
     prelu,
     rrelu,
     standardize,
@@ -139,9 +141,10 @@ __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DL
            "LocalResponseNormalization2DLayer", "LocallyConnected2DLayer", "MaxPool1DLayer", "MaxPool2DLayer",
            "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer", "ParametricRectifierLayer", "Pool1DLayer",
            "Pool2DLayer", "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
-           "SpatialPyramidPoolingLayer", "StandardizationLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer",
-           "add_state_updates", "autocrop", "autocrop_array_shapes", "average_running_statistics", "batch_norm",
-           "concat", "count_params", "dimshuffle", "dropout", "dropout_channels", "dropout_locations", "flatten",
-           "get_all_layers", "get_all_param_values", "get_all_params", "get_output", "get_output_shape",
-           "get_running_statistics", "get_state_updates", "instance_norm", "layer_norm", "pad", "prelu", "reshape",
-           "rrelu", "set_all_param_values", "spatial_dropout", "standardize"]
+           "SpatialPyramidPoolingLayer", "StandardizationLayer", "TransformerLayer", "Upscale1DLayer",
+           "Upscale2DLayer", "Upscale3DLayer", "add_state_updates", "autocrop", "autocrop_array_shapes",
+           "average_running_statistics", "batch_norm", "concat", "count_params", "dimshuffle", "dropout",
+           "dropout_channels", "dropout_locations", "flatten", "get_all_layers", "get_all_param_values",
+           "get_all_params", "get_output", "get_output_shape", "get_running_statistics", "get_state_updates",
+           "instance_norm", "layer_norm", "pad", "prelu", "reshape", "rrelu", "set_all_param_values",
+           "spatial_dropout", "standardize"]

@@ -1,6 +1,6 @@
 """Layers without a family: :class:`NonlinearityLayer`, :class:`ExpressionLayer`,
 :class:`BiasLayer`, :class:`ScaleLayer`, :class:`ParametricRectifierLayer` (:func:`prelu`),
-:class:`RandomizedRectifierLayer` (:func:`rrelu`), :class:`InverseLayer`."""
+:class:`RandomizedRectifierLayer` (:func:`rrelu`), :class:`InverseLayer`, :class:`TransformerLayer`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from synk_lasagne.init import ONES, ZEROS
 from synk_lasagne.layers.base import Layer, MergeLayer
 
 __all__ = ["BiasLayer", "ExpressionLayer", "InverseLayer", "NonlinearityLayer", "ParametricRectifierLayer",
-           "RandomizedRectifierLayer", "ScaleLayer", "prelu", "rrelu", "standardize"]
+           "RandomizedRectifierLayer", "ScaleLayer", "TransformerLayer", "prelu", "rrelu", "standardize"]
 
 
 class NonlinearityLayer(Layer):
@@ -252,3 +252,116 @@ class InverseLayer(MergeLayer):
 
         given, layer_out, layer_in = inputs
         return pytensor.grad(None, wrt=layer_in, known_grads={layer_out: given})
+
+
+BORDER_MODES = ("nearest", "mirror", "wrap")
+
+
+def _border(index: Any, length: Any, mode: str) -> Any:
+    """Integer pixel positions brought inside ``[0, length)`` by ``mode``: clipped (``nearest``),
+    reflected about the edges (``mirror``) or periodic (``wrap``)."""
+    import pytensor.tensor as pt
+
+    if mode == "nearest":
+        index = pt.clip(index, 0, length - 1)
+    elif mode == "mirror":
+        period = 2 * (length - 1)
+        index = pt.minimum(index % period, -index % period)
+    else:
+        index = index % length
+    return pt.cast(index, "int64")
+
+
+def _bilinear(images: Any, x: Any, y: Any, mode: str) -> Any:
+    """``images`` ``(batch, rows, columns, channels)`` sampled at ``(x, y)`` in ``[-1, 1]``
+    (``(batch, points)``, the corners are the corner pixels' centres) by bilinear interpolation;
+    ``(batch, points, channels)``."""
+    import pytensor.tensor as pt
+
+    batch, rows, cols, channels = (images.shape[i] for i in range(4))
+    dtype = x.dtype
+    x = (x + 1) / 2 * pt.cast(cols - 1, dtype)
+    y = (y + 1) / 2 * pt.cast(rows - 1, dtype)
+    x0, y0 = pt.floor(x), pt.floor(y)
+    x1, y1 = x0 + 1, y0 + 1
+    flat = images.reshape((-1, channels))
+    base = (pt.arange(batch) * rows * cols)[:, None]
+
+    def pixels(yi: Any, xi: Any) -> Any:
+        return flat[base + _border(yi, rows, mode) * cols + _border(xi, cols, mode)]  # (batch, points, channels)
+
+    return ((((x1 - x) * (y1 - y))[..., None] * pixels(y0, x0)) + (((x1 - x) * (y - y0))[..., None] * pixels(y1, x0))
+            + (((x - x0) * (y1 - y))[..., None] * pixels(y0, x1)) + (((x - x0) * (y - y0))[..., None] * pixels(y1, x1)))
+
+
+def _scaled_length(length: Any, factor: float) -> Any:
+    """``int(length / factor)`` for an int, None for None, an int expression for an expression."""
+    import pytensor.tensor as pt
+    from pytensor.graph.basic import Variable
+
+    if length is None:
+        return None
+    if isinstance(length, Variable):
+        return pt.cast(pt.true_div(length, factor), "int64")
+    return int(length / factor)
+
+
+class TransformerLayer(MergeLayer):
+    """A spatial transformer (Jaderberg et al. 2015): each image resampled on the grid that an
+    affine map ``theta`` (``(batch, 6)`` from ``localization_network``, row-major ``2 x 3``)
+    takes the output's coordinates to, with bilinear interpolation.
+
+    Coordinates run over ``[-1, 1]`` on both axes (``theta = [1, 0, 0, 0, 1, 0]`` is the identity);
+    source pixels outside the image are taken by ``border_mode``.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+        ``(batch, channels, rows, columns)``.
+    localization_network : Layer
+        Output shape ``(batch, 6)``.
+    downsample_factor : float or (float, float)
+        The output is ``int(rows / factor[0]) x int(columns / factor[1])``.
+    border_mode : {"nearest", "mirror", "wrap"}
+
+    Raises
+    ------
+    ValueError
+        For a wrong input or localization shape, or an unknown border mode.
+    """
+
+    def __init__(self, incoming: Any, localization_network: Any, downsample_factor: Any = 1,
+                 border_mode: str = "nearest", **kwargs: Any) -> None:
+        from synk_lasagne.utils import as_tuple
+
+        super().__init__([incoming, localization_network], **kwargs)
+        self.downsample_factor = as_tuple(downsample_factor, 2)
+        if border_mode not in BORDER_MODES:
+            raise ValueError(f"border_mode must be one of {BORDER_MODES}, got {border_mode!r}")
+        self.border_mode = border_mode
+        input_shp, loc_shp = self.input_shapes
+        if len(input_shp) != 4:
+            raise ValueError(f"The input network must have a 4-dimensional output shape: (batch_size, "
+                             f"num_input_channels, input_rows, input_columns); got {input_shp}")
+        if len(loc_shp) != 2 or loc_shp[1] != 6:
+            raise ValueError(f"The localization network must have output shape: (batch_size, 6); got {loc_shp}")
+
+    def get_output_shape_for(self, input_shapes: Any) -> tuple[Any, ...]:
+        shape = input_shapes[0]
+        return (shape[0], shape[1], *(_scaled_length(n, f) for n, f in zip(shape[2:], self.downsample_factor)))
+
+    def get_output_for(self, inputs: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        import pytensor.tensor as pt
+
+        images, theta = (pt.as_tensor_variable(v) for v in inputs)
+        rows, cols = (_scaled_length(images.shape[i], f) for i, f in zip((2, 3), self.downsample_factor))
+        dtype = theta.dtype
+
+        def axis(n: Any) -> Any:  # n points evenly over [-1, 1]
+            return pt.cast(pt.arange(n), dtype) * (2 / pt.cast(n - 1, dtype)) - 1
+
+        gx, gy = pt.tile(axis(cols)[None, :], (rows, 1)), pt.tile(axis(rows)[:, None], (1, cols))
+        grid = pt.stack([gx.flatten(), gy.flatten(), pt.ones_like(gx.flatten())])  # (3, points)
+        source = pt.dot(theta.reshape((-1, 2, 3)), grid)  # (batch, 2, points)
+        sampled = _bilinear(images.dimshuffle(0, 2, 3, 1), source[:, 0], source[:, 1], self.border_mode)
+        return sampled.reshape((images.shape[0], rows, cols, images.shape[1])).dimshuffle(0, 3, 1, 2)
