@@ -1,4 +1,4 @@
-"""synk_lasagne.layers.SpatialPyramidPoolingLayer and pool_2d (one process) against numpy: the
+"""synk_lasagne.layers.SpatialPyramidPoolingLayer, pool_2d and Pool3DLayer (one process) against numpy: the
 pyramid's cells, both implementations, unknown spatial lengths, and the gradient of max pooling."""
 
 from __future__ import annotations
@@ -64,3 +64,29 @@ def test_pool_2d_with_run_time_window_sizes():
     np.testing.assert_allclose(got, expected)
     with pytest.raises(ValueError, match="Mode must be"):
         layers.SpatialPyramidPoolingLayer((None, 1, 4, 4), mode="other")
+
+
+@pytest.mark.parametrize("mode,pad", [("max", (1, 0, 1)), ("average_inc_pad", (0, 1, 0))])
+def test_pool_3d_matches_numpy_windows(mode, pad):
+    x = np.random.default_rng(2).normal(size=(2, 1, 5, 6, 4))
+    l_in = layers.InputLayer((None, 1, 5, 6, 4))
+    layer = layers.Pool3DLayer(l_in, (2, 3, 2), stride=(2, 2, 1), pad=pad, mode=mode)
+    out = layers.get_output(layer)
+    f = pytensor.function([l_in.input_var], [out, pytensor.grad(pt.sum(out), l_in.input_var)], **FAST)
+    got, grad = f(x)
+    fill = -np.inf if mode == "max" else 0.0
+    padded = np.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in pad], constant_values=fill)
+    shape = [(padded.shape[2 + a] - k) // s + 1 for a, (k, s) in enumerate(zip((2, 3, 2), (2, 2, 1)))]
+    assert got.shape == (2, 1, *shape) == (2, 1, *layer.output_shape[2:])
+    expected = np.zeros(got.shape)
+    for i, j, k in np.ndindex(*shape):
+        window = padded[:, :, 2 * i:2 * i + 2, 2 * j:2 * j + 3, k:k + 2]
+        expected[:, :, i, j, k] = window.max(axis=(2, 3, 4)) if mode == "max" else window.mean(axis=(2, 3, 4))
+    np.testing.assert_allclose(got, expected)
+    if mode == "average_inc_pad":  # each input value counts 1/12 in every window that holds it
+        hits = np.zeros(padded.shape)
+        for i, j, k in np.ndindex(*shape):
+            hits[:, :, 2 * i:2 * i + 2, 2 * j:2 * j + 3, k:k + 2] += 1 / 12
+        np.testing.assert_allclose(grad, hits[:, :, :, 1:-1, :])
+    with pytest.raises(ValueError, match="Expected 5 input dimensions"):
+        layers.MaxPool3DLayer((1, 2, 3, 4), 2)

@@ -15,8 +15,8 @@ from synk_lasagne.pool import pool2d
 from synk_lasagne.pool import pool_output_length as _full_windows
 
 __all__ = ["FeaturePoolLayer", "FeatureWTALayer", "GlobalPoolLayer", "MaxPool1DLayer", "MaxPool2DLayer",
-           "Pool1DLayer", "Pool2DLayer", "SpatialPyramidPoolingLayer", "Upscale1DLayer", "Upscale2DLayer",
-           "Upscale3DLayer", "pool_2d", "pool_output_length"]
+           "MaxPool3DLayer", "Pool1DLayer", "Pool2DLayer", "Pool3DLayer", "SpatialPyramidPoolingLayer",
+           "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "pool_2d", "pool_output_length"]
 
 POOL_MODES = ("max", "average_inc_pad", "average_exc_pad")
 
@@ -413,3 +413,90 @@ class SpatialPyramidPoolingLayer(Layer):
                     cells.append(_reduce(input[:, :, top:bottom, left:right], (2, 3), self.mode))
             parts.append(pt.stack(cells, axis=2))
         return pt.concatenate(parts, axis=2)
+
+
+def _pool_axis(x: Any, axis: int, size: int, stride: int, pad: int, mode: str) -> Any:
+    """``x`` pooled along one axis: windows of ``size`` every ``stride`` over ``x`` padded by ``pad``
+    on both sides (with -inf for max, zeros for the average, which then counts the padding)."""
+    import pytensor.tensor as pt
+
+    if pad:
+        fill = -np.inf if mode == "max" else 0
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (pad, pad)
+        x = pt.pad(x, widths, mode="constant", constant_values=fill)
+    count = (x.shape[axis] - size) // stride + 1
+    windows = []
+    for offset in range(size):
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(offset, offset + stride * (count - 1) + 1, stride)
+        windows.append(x[tuple(index)])
+    stacked = pt.stack(windows)
+    return pt.max(stacked, axis=0) if mode == "max" else pt.mean(stacked, axis=0)
+
+
+class Pool3DLayer(Layer):
+    """Pooling over the last three axes of ``(batch, channels, depth, rows, columns)`` input.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    pool_size : int or (int, int, int)
+    stride : int or (int, int, int), optional
+        Default ``pool_size``.
+    pad : int or (int, int, int)
+        Padding on both sides (ignored by max pooling's maximum; counted by ``average_inc_pad``).
+    ignore_border : bool
+        Only True: windows that cross the padded border are dropped.
+    mode : {"max", "average_inc_pad", "average_exc_pad"}
+        ``average_exc_pad`` only without padding.
+
+    Raises
+    ------
+    ValueError
+        For input that is not 5-d.
+    NotImplementedError
+        For ``ignore_border=False``, or ``average_exc_pad`` with padding.
+    """
+
+    def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = (0, 0, 0),
+                 ignore_border: bool = True, mode: str = "max", **kwargs: Any) -> None:
+        from synk_lasagne.utils import as_tuple
+
+        super().__init__(incoming, **kwargs)
+        if len(self.input_shape) != 5:
+            raise ValueError(f"Tried to create a 3D pooling layer with input shape {self.input_shape}. Expected 5 "
+                             "input dimensions (batchsize, channels, 3 spatial dimensions).")
+        if mode not in POOL_MODES:
+            raise ValueError(f"Mode must be either 'max', 'average_inc_pad' or 'average_exc_pad'. Got {mode!r}")
+        self.pool_size = as_tuple(pool_size, 3)
+        self.stride = self.pool_size if stride is None else as_tuple(stride, 3)
+        self.pad = as_tuple(pad, 3)
+        if not ignore_border:
+            raise NotImplementedError("Pool3DLayer drops windows that cross the border only (ignore_border=True)")
+        if mode == "average_exc_pad" and any(self.pad):
+            raise NotImplementedError("Pool3DLayer's average_exc_pad takes no padding: pad the input, or use "
+                                      "average_inc_pad")
+        self.ignore_border = ignore_border
+        self.mode = mode
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        spatial = (pool_output_length(n, w, s, p, True) for n, w, s, p in
+                   zip(input_shape[2:], self.pool_size, self.stride, self.pad))
+        return (*input_shape[:2], *spatial)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        out = pt.as_tensor_variable(input)
+        for axis, size, stride, pad in zip((2, 3, 4), self.pool_size, self.stride, self.pad):
+            out = _pool_axis(out, axis, size, stride, pad, self.mode)
+        return out
+
+
+class MaxPool3DLayer(Pool3DLayer):
+    """Max pooling over the last three axes (:class:`Pool3DLayer` with ``mode="max"``)."""
+
+    def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = (0, 0, 0),
+                 ignore_border: bool = True, **kwargs: Any) -> None:
+        super().__init__(incoming, pool_size, stride, pad, ignore_border, mode="max", **kwargs)
