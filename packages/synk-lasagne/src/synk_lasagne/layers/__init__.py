@@ -8,7 +8,8 @@ Lasagne's.  See the "Lasagne layers" guide for the porting notes.
 input                           :class:`InputLayer`
 dense                           :class:`DenseLayer`
 convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stride, pad, dilation, groups,
-                                flip_filters), :class:`LocallyConnected2DLayer`
+                                flip_filters), :class:`TransposedConv2DLayer` (:class:`Deconv2DLayer`),
+                                :class:`DilatedConv2DLayer`, :class:`LocallyConnected2DLayer`
 pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
                                 :class:`Pool2DLayer`, :class:`MaxPool3DLayer`, :class:`Pool3DLayer`,
                                 :class:`GlobalPoolLayer`,
@@ -56,7 +57,13 @@ Example
 """
 
 from synk_lasagne.layers.base import Layer, MergeLayer, add_state_updates, get_state_updates
-from synk_lasagne.layers.conv import Conv1DLayer, Conv2DLayer
+from synk_lasagne.layers.conv import (
+    Conv1DLayer,
+    Conv2DLayer,
+    Deconv2DLayer,
+    DilatedConv2DLayer,
+    TransposedConv2DLayer,
+)
 from synk_lasagne.layers.dense import DenseLayer, NINLayer
 from synk_lasagne.layers.embedding import EmbeddingLayer
 from synk_lasagne.layers.helper import (
@@ -138,13 +145,14 @@ from synk_lasagne.layers.special import (
 )
 
 __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "CustomRecurrentLayer",
-           "DenseLayer", "DimshuffleLayer", "DropoutLayer", "ElemwiseMergeLayer", "ElemwiseSumLayer",
-           "EmbeddingLayer", "ExpressionLayer", "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer",
-           "Gate", "GaussianNoiseLayer", "GlobalPoolLayer", "InputLayer", "InverseLayer", "LSTMLayer", "Layer",
-           "LocalResponseNormalization2DLayer", "LocallyConnected2DLayer", "MaxPool1DLayer", "MaxPool2DLayer",
-           "MaxPool3DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer", "ParametricRectifierLayer",
-           "Pool1DLayer", "Pool2DLayer", "Pool3DLayer", "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer",
-           "ScaleLayer", "SliceLayer", "SpatialPyramidPoolingLayer", "StandardizationLayer", "TransformerLayer",
+           "Deconv2DLayer", "DenseLayer", "DilatedConv2DLayer", "DimshuffleLayer", "DropoutLayer",
+           "ElemwiseMergeLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer", "FeaturePoolLayer",
+           "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate", "GaussianNoiseLayer", "GlobalPoolLayer",
+           "InputLayer", "InverseLayer", "LSTMLayer", "Layer", "LocalResponseNormalization2DLayer",
+           "LocallyConnected2DLayer", "MaxPool1DLayer", "MaxPool2DLayer", "MaxPool3DLayer", "MergeLayer", "NINLayer",
+           "NonlinearityLayer", "PadLayer", "ParametricRectifierLayer", "Pool1DLayer", "Pool2DLayer", "Pool3DLayer",
+           "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
+           "SpatialPyramidPoolingLayer", "StandardizationLayer", "TransformerLayer", "TransposedConv2DLayer",
            "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates", "autocrop",
            "autocrop_array_shapes", "average_running_statistics", "batch_norm", "concat", "count_params",
            "dimshuffle", "dropout", "dropout_channels", "dropout_locations", "flatten", "get_all_layers",

@@ -1,4 +1,5 @@
-"""Convolution layers: :class:`Conv1DLayer`, :class:`Conv2DLayer` (on :func:`synk_lasagne.conv.conv2d`)."""
+"""Convolution layers: :class:`Conv1DLayer`, :class:`Conv2DLayer`, :class:`TransposedConv2DLayer`
+(:class:`Deconv2DLayer`), :class:`DilatedConv2DLayer` (on :func:`synk_lasagne.conv.conv2d`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from synk_lasagne.conv import _pair, conv2d, conv_output_length, normalize_pad, 
 from synk_lasagne.init import GLOROT_UNIFORM, ZEROS
 from synk_lasagne.layers.base import Layer
 
-__all__ = ["Conv1DLayer", "Conv2DLayer"]
+__all__ = ["Conv1DLayer", "Conv2DLayer", "Deconv2DLayer", "DilatedConv2DLayer", "TransposedConv2DLayer"]
 
 
 class Conv2DLayer(Layer):
@@ -53,9 +54,10 @@ class Conv2DLayer(Layer):
 
     def _setup(self, num_filters: int, filter_size: tuple[int, int], stride: tuple[int, int], pad: Any,
                dilation: tuple[int, int], untie_biases: bool, W: Any, b: Any, nonlinearity: Any,
-               flip_filters: bool, num_groups: int, filter_axes: int = 2) -> None:
+               flip_filters: bool, num_groups: int, filter_axes: int = 2, channels_first: bool = False) -> None:
         """What Conv2DLayer and Conv1DLayer share, on 2-d sizes: attributes, ``W`` (its last
-        ``filter_axes`` sizes of ``filter_size``) and ``b``."""
+        ``filter_axes`` sizes of ``filter_size``; ``channels_first``: ``(channels, num_filters, ...)``)
+        and ``b``."""
         channels = self.input_shape[1]
         if channels is None:
             raise ValueError(f"{type(self).__name__} needs the number of input channels: give it to the InputLayer")
@@ -71,7 +73,8 @@ class Conv2DLayer(Layer):
         self.untie_biases = untie_biases
         self.flip_filters = flip_filters
         self.num_groups = int(num_groups)
-        self.W = self.add_param(W, (self.num_filters, channels // self.num_groups, *filter_size[2 - filter_axes:]),
+        axes = (self.num_filters, channels // self.num_groups)
+        self.W = self.add_param(W, (*(axes[::-1] if channels_first else axes), *filter_size[2 - filter_axes:]),
                                 name="W")
         if b is None:
             self.b = None
@@ -160,3 +163,116 @@ class Conv1DLayer(Conv2DLayer):
         if self.b is not None:
             activation = activation + (self.b[None] if self.untie_biases else self.b[None, :, None])
         return self.nonlinearity(activation)
+
+
+def _transposed_length(length: Any, filter_size: int, stride: int, crop: tuple[Any, Any]) -> Any:
+    """The input length of a convolution whose output has ``length``: ``(length - 1) * stride +
+    filter_size - crop_before - crop_after`` (None for None)."""
+    if length is None:
+        return None
+    return (length - 1) * stride + filter_size - crop[0] - crop[1]
+
+
+class TransposedConv2DLayer(Conv2DLayer):
+    """The transpose of a convolution (a "deconvolution", Zeiler et al. 2010; upsampling by
+    ``stride``): the gradient of ``conv2d(z, W, stride, pad=crop)`` with respect to ``z``,
+    applied to the input.
+
+    ``W`` is ``(channels, num_filters, rows, columns)`` -- the filters of the convolution this
+    layer transposes, which maps ``num_filters`` channels to the input's ``channels``.  The
+    output is ``(in - 1) * stride + filter_size - 2 * crop`` long (``crop`` as a convolution's
+    ``pad``: "valid" 0, "full" ``filter_size - 1``, "same" ``filter_size // 2``), or
+    ``output_size`` (which may add up to ``stride - 1`` rows or columns).
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    num_filters : int
+    filter_size, stride : int or (int, int)
+    crop : {"valid", "full", "same"}, int or (int, int)
+    untie_biases : bool
+    W, b, nonlinearity
+        As for :class:`Conv2DLayer`.
+    flip_filters : bool
+        False (Lasagne's default here): the transpose of a true convolution (flipped filters);
+        True: of a cross-correlation.
+    output_size : int or (int, int), optional
+    """
+
+    def __init__(self, incoming: Any, num_filters: int, filter_size: Any, stride: Any = (1, 1), crop: Any = 0,
+                 untie_biases: bool = False, W: Any = GLOROT_UNIFORM, b: Any = ZEROS,
+                 nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = False, output_size: Any = None,
+                 **kwargs: Any) -> None:
+        Layer.__init__(self, incoming, **kwargs)
+        if len(self.input_shape) != 4:
+            raise ValueError(f"TransposedConv2DLayer needs 4-d input (batch, channels, rows, columns), got shape "
+                             f"{self.input_shape}")
+        self.crop = normalize_pad(crop)
+        self.output_size = None if output_size is None else _pair(output_size, "output_size")
+        self._setup(num_filters, _pair(filter_size, "filter_size"), _pair(stride, "stride"), self.crop, (1, 1),
+                    untie_biases, W, b, nonlinearity, flip_filters, 1, channels_first=True)
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        if self.output_size is not None:
+            return (input_shape[0], self.num_filters, *self.output_size)
+        crops = resolve_pad(self.crop, self.filter_size, self.dilation)
+        spatial = (_transposed_length(n, k, s, c) for n, k, s, c in zip(input_shape[2:], self.filter_size,
+                                                                          self.stride, crops))
+        return (input_shape[0], self.num_filters, *spatial)
+
+    def convolve(self, input: Any, **kwargs: Any) -> Any:
+        """The transposed convolution alone (no bias, no nonlinearity)."""
+        import pytensor
+        import pytensor.tensor as pt
+
+        input = pt.as_tensor_variable(input)
+        rows, cols = self.get_output_shape_for((None, None, input.shape[2], input.shape[3]))[2:]
+        z = pt.zeros((input.shape[0], self.num_filters, rows, cols), dtype=input.dtype)
+        filters = self.W if self.flip_filters else self.W[:, :, ::-1, ::-1]
+        forward = conv2d(z, filters, stride=self.stride, pad=self.crop)
+        return pytensor.grad(None, wrt=z, known_grads={forward: input})
+
+
+Deconv2DLayer = TransposedConv2DLayer
+
+
+class DilatedConv2DLayer(Conv2DLayer):
+    """A dilated ("atrous") convolution with Lasagne's DilatedConv2DLayer interface: ``W`` is
+    ``(channels, num_filters, rows, columns)``, no padding, stride 1, and ``flip_filters=False``
+    (a cross-correlation) by default.  :class:`Conv2DLayer` takes ``dilation=`` too.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    num_filters : int
+    filter_size, dilation : int or (int, int)
+    pad : 0 or "valid"
+    untie_biases, W, b, nonlinearity, flip_filters
+        As for :class:`Conv2DLayer` (W's first two axes swapped).
+
+    Raises
+    ------
+    NotImplementedError
+        For any padding.
+    """
+
+    def __init__(self, incoming: Any, num_filters: int, filter_size: Any, dilation: Any = (1, 1), pad: Any = 0,
+                 untie_biases: bool = False, W: Any = GLOROT_UNIFORM, b: Any = ZEROS,
+                 nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = False, **kwargs: Any) -> None:
+        Layer.__init__(self, incoming, **kwargs)
+        if pad not in (0, (0, 0), [0, 0], "valid"):
+            raise NotImplementedError(f"DilatedConv2DLayer requires pad=0 / (0,0) / 'valid', got {pad!r}: use "
+                                      "Conv2DLayer(dilation=...) for a padded dilated convolution")
+        if len(self.input_shape) != 4:
+            raise ValueError(f"DilatedConv2DLayer needs 4-d input (batch, channels, rows, columns), got shape "
+                             f"{self.input_shape}")
+        self._setup(num_filters, _pair(filter_size, "filter_size"), (1, 1), normalize_pad(0),
+                    _pair(dilation, "dilation"), untie_biases, W, b, nonlinearity, flip_filters, 1,
+                    channels_first=True)
+
+    def convolve(self, input: Any, **kwargs: Any) -> Any:
+        """The dilated convolution alone (no bias, no nonlinearity)."""
+        filters = self.W.dimshuffle(1, 0, 2, 3)
+        if self.flip_filters:
+            filters = filters[:, :, ::-1, ::-1]
+        return conv2d(input, filters, dilation=self.dilation)
