@@ -64,3 +64,36 @@ def test_dilated_conv_layer():
     np.testing.assert_allclose(got, expected, atol=1e-10)
     with pytest.raises(NotImplementedError, match="pad"):
         layers.DilatedConv2DLayer(l_in, 4, 3, pad="same")
+
+
+def conv3d_reference(x, W, stride, pad):
+    """A 3-d cross-correlation as the sum over the filters' depth taps of 2-d ones (reference_conv)."""
+    x = np.pad(x, [(0, 0), (0, 0), (pad[0], pad[0]), (0, 0), (0, 0)])
+    depth = (x.shape[2] - W.shape[2]) // stride[0] + 1
+    return np.stack([sum(reference_conv(x[:, :, d * stride[0] + k], W[:, :, k], stride=stride[1:],
+                                        pad=(pad[1], pad[2]) if pad[1] == pad[2] else pad[1])
+                         for k in range(W.shape[2])) for d in range(depth)], axis=2)
+
+
+def test_conv3d_layer_matches_depth_taps_of_2d_convolutions():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(2, 3, 5, 6, 4))
+    W = rng.normal(size=(2, 3, 3, 2, 3))
+    l_in = layers.InputLayer((None, 3, None, 6, 4))
+    layer = layers.Conv3DLayer(l_in, 2, (3, 2, 3), stride=(2, 1, 1), pad=1, W=W, b=None, nonlinearity=None,
+                               flip_filters=False)
+    assert layer.output_shape == (None, 2, None, 7, 4)
+    out = layers.get_output(layer)
+    g = rng.normal(size=(2, 2, 3, 7, 4))
+    got, grad = pytensor.function([l_in.input_var], [out, pytensor.grad(pt.sum(out * g), layer.W)], **FAST)(x)
+    expected = conv3d_reference(x, W, (2, 1, 1), (1, 1, 1))
+    np.testing.assert_allclose(got, expected, atol=1e-10)
+    eps, index = 1e-6, (1, 2, 0, 1, 2)
+    shifted = W.copy()
+    shifted[index] += eps
+    numeric = (np.sum(conv3d_reference(x, shifted, (2, 1, 1), (1, 1, 1)) * g) - np.sum(expected * g)) / eps
+    np.testing.assert_allclose(grad[index], numeric, rtol=1e-4)
+    flipped = layers.Conv3DLayer(l_in, 2, (3, 2, 3), pad="valid", W=W[:, :, ::-1, ::-1, ::-1], b=None,
+                                 nonlinearity=None)  # flip_filters=True undoes the flip
+    np.testing.assert_allclose(layers.get_output(flipped).eval({l_in.input_var: x}),
+                               conv3d_reference(x, W, (1, 1, 1), (0, 0, 0)), atol=1e-10)

@@ -9,7 +9,7 @@ input                           :class:`InputLayer`
 dense                           :class:`DenseLayer`
 convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stride, pad, dilation, groups,
                                 flip_filters), :class:`TransposedConv2DLayer` (:class:`Deconv2DLayer`),
-                                :class:`DilatedConv2DLayer`, :class:`LocallyConnected2DLayer`
+                                :class:`DilatedConv2DLayer`, :class:`Conv3DLayer`, :class:`LocallyConnected2DLayer`
 pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
                                 :class:`Pool2DLayer`, :class:`MaxPool3DLayer`, :class:`Pool3DLayer`,
                                 :class:`GlobalPoolLayer`,
@@ -60,6 +60,7 @@ from synk_lasagne.layers.base import Layer, MergeLayer, add_state_updates, get_s
 from synk_lasagne.layers.conv import (
     Conv1DLayer,
     Conv2DLayer,
+    Conv3DLayer,
     Deconv2DLayer,
     DilatedConv2DLayer,
     TransposedConv2DLayer,
@@ -144,11 +145,11 @@ from synk_lasagne.layers.special import (
     standardize,
 )
 
-__all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "CustomRecurrentLayer",
-           "Deconv2DLayer", "DenseLayer", "DilatedConv2DLayer", "DimshuffleLayer", "DropoutLayer",
-           "ElemwiseMergeLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer", "FeaturePoolLayer",
-           "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate", "GaussianNoiseLayer", "GlobalPoolLayer",
-           "InputLayer", "InverseLayer", "LSTMLayer", "Layer", "LocalResponseNormalization2DLayer",
+__all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "Conv3DLayer",
+           "CustomRecurrentLayer", "Deconv2DLayer", "DenseLayer", "DilatedConv2DLayer", "DimshuffleLayer",
+           "DropoutLayer", "ElemwiseMergeLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
+           "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate", "GaussianNoiseLayer",
+           "GlobalPoolLayer", "InputLayer", "InverseLayer", "LSTMLayer", "Layer", "LocalResponseNormalization2DLayer",
            "LocallyConnected2DLayer", "MaxPool1DLayer", "MaxPool2DLayer", "MaxPool3DLayer", "MergeLayer", "NINLayer",
            "NonlinearityLayer", "PadLayer", "ParametricRectifierLayer", "Pool1DLayer", "Pool2DLayer", "Pool3DLayer",
            "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",

@@ -1,4 +1,4 @@
-"""Convolution layers: :class:`Conv1DLayer`, :class:`Conv2DLayer`, :class:`TransposedConv2DLayer`
+"""Convolution layers: :class:`Conv1DLayer`, :class:`Conv2DLayer`, :class:`Conv3DLayer`, :class:`TransposedConv2DLayer`
 (:class:`Deconv2DLayer`), :class:`DilatedConv2DLayer` (on :func:`synk_lasagne.conv.conv2d`)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from synk_lasagne.conv import _pair, conv2d, conv_output_length, normalize_pad, 
 from synk_lasagne.init import GLOROT_UNIFORM, ZEROS
 from synk_lasagne.layers.base import Layer
 
-__all__ = ["Conv1DLayer", "Conv2DLayer", "Deconv2DLayer", "DilatedConv2DLayer", "TransposedConv2DLayer"]
+__all__ = ["Conv1DLayer", "Conv2DLayer", "Conv3DLayer", "Deconv2DLayer", "DilatedConv2DLayer",
+           "TransposedConv2DLayer"]
 
 
 class Conv2DLayer(Layer):
@@ -276,3 +277,87 @@ class DilatedConv2DLayer(Conv2DLayer):
         if self.flip_filters:
             filters = filters[:, :, ::-1, ::-1]
         return conv2d(input, filters, dilation=self.dilation)
+
+
+class Conv3DLayer(Layer):
+    """``nonlinearity(conv3d(input, W) + b)`` over ``(batch, channels, depth, rows, columns)`` input:
+    one :func:`~synk_lasagne.conv.conv2d` per depth tap of the filters, over every output depth
+    at once (the depths folded into the batch), summed.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    num_filters : int
+    filter_size, stride : int or (int, int, int)
+    pad : {"valid", "full", "same"}, int or (int, int, int)
+    untie_biases : bool
+    W : initialiser, array or shared variable
+        ``(num_filters, channels, depth, rows, columns)``.
+    b, nonlinearity, flip_filters
+        As for :class:`Conv2DLayer`.
+    """
+
+    def __init__(self, incoming: Any, num_filters: int, filter_size: Any, stride: Any = (1, 1, 1), pad: Any = 0,
+                 untie_biases: bool = False, W: Any = GLOROT_UNIFORM, b: Any = ZEROS,
+                 nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = True, **kwargs: Any) -> None:
+        from synk_lasagne.utils import as_tuple, int_types
+
+        super().__init__(incoming, **kwargs)
+        if len(self.input_shape) != 5:
+            raise ValueError(f"Tried to create a 3D convolution layer with input shape {self.input_shape}. Expected "
+                             "5 input dimensions (batchsize, channels, 3 spatial dimensions).")
+        channels = self.input_shape[1]
+        if channels is None:
+            raise ValueError("Conv3DLayer needs the number of input channels: give it to the InputLayer")
+        self.num_filters = int(num_filters)
+        self.filter_size = as_tuple(filter_size, 3, int_types)
+        self.stride = as_tuple(stride, 3, int_types)
+        if isinstance(pad, str):
+            if pad not in ("valid", "full", "same"):
+                raise ValueError(f"pad must be 'valid', 'full', 'same', an int or 3 ints, got {pad!r}")
+            self.pad: Any = pad
+            pads = {"valid": (0, 0, 0), "full": tuple(k - 1 for k in self.filter_size),
+                    "same": tuple(k // 2 for k in self.filter_size)}[pad]
+        else:
+            self.pad = pads = as_tuple(pad, 3, int_types)
+        self._pads = tuple(int(p) for p in pads)
+        self.untie_biases, self.flip_filters = untie_biases, flip_filters
+        self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
+        self.W = self.add_param(W, (self.num_filters, channels, *self.filter_size), name="W")
+        if b is None:
+            self.b = None
+        else:
+            shape = (self.num_filters, *self.output_shape[2:]) if untie_biases else (self.num_filters,)
+            self.b = self.add_param(b, shape, name="b", regularizable=False)
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        spatial = (conv_output_length(n, k, s, (p, p)) for n, k, s, p in
+                   zip(input_shape[2:], self.filter_size, self.stride, self._pads))
+        return (input_shape[0], self.num_filters, *spatial)
+
+    def convolve(self, input: Any, **kwargs: Any) -> Any:
+        """The convolution alone (no bias, no nonlinearity)."""
+        import pytensor.tensor as pt
+
+        W = self.W[:, :, ::-1, ::-1, ::-1] if self.flip_filters else self.W
+        depth_pad, row_pad, col_pad = self._pads
+        if depth_pad:
+            input = pt.pad(input, [(0, 0), (0, 0), (depth_pad, depth_pad), (0, 0), (0, 0)])
+        batch, channels = input.shape[0], input.shape[1]
+        kd, sd = self.filter_size[0], self.stride[0]
+        depth = (input.shape[2] - kd) // sd + 1
+        total = None
+        for k in range(kd):
+            taps = input[:, :, k:k + sd * (depth - 1) + 1:sd]  # (batch, channels, depth, rows, columns)
+            folded = taps.dimshuffle(0, 2, 1, 3, 4).reshape((-1, channels, taps.shape[3], taps.shape[4]))
+            conved = conv2d(folded, W[:, :, k], stride=self.stride[1:], pad=(row_pad, col_pad))
+            term = conved.reshape((batch, depth, self.num_filters, conved.shape[2], conved.shape[3]))
+            total = term if total is None else total + term
+        assert total is not None
+        return total.dimshuffle(0, 2, 1, 3, 4)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        activation = self.convolve(input, **kwargs)
+        if self.b is not None:
+            activation = activation + (self.b[None] if self.untie_biases else self.b[None, :, None, None, None])
+        return self.nonlinearity(activation)
