@@ -97,3 +97,17 @@ def test_conv3d_layer_matches_depth_taps_of_2d_convolutions():
                                  nonlinearity=None)  # flip_filters=True undoes the flip
     np.testing.assert_allclose(layers.get_output(flipped).eval({l_in.input_var: x}),
                                conv3d_reference(x, W, (1, 1, 1), (0, 0, 0)), atol=1e-10)
+
+
+def test_lasagne_conv_output_length():
+    from synk_lasagne.layers.conv import conv_output_length
+
+    for pad, expected in (("valid", 3), (0, 3), ("full", 6), ("same", 5), (2, 5)):
+        assert conv_output_length(13, 5, 3, pad) == expected
+        reference = layers.Conv2DLayer(layers.InputLayer((None, 1, 13, 13)), 1, 5, stride=3, pad=pad).output_shape
+        assert reference[2] == expected
+    assert conv_output_length(None, 5, 3, "same") is None
+    with pytest.raises(ValueError, match="Invalid pad"):
+        conv_output_length(13, 5, 3, "middle")
+    with pytest.raises(TypeError, match="iterable of int"):
+        layers.Conv2DLayer(layers.InputLayer((None, 1, 4, 4)), 1, 3, pad="middle")

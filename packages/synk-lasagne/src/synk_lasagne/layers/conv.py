@@ -6,12 +6,38 @@ from __future__ import annotations
 from typing import Any
 
 from synk_lasagne import nonlinearities
-from synk_lasagne.conv import _pair, conv2d, conv_output_length, normalize_pad, resolve_pad
+from synk_lasagne.conv import PAD_MODES, _pair, conv2d, normalize_pad, resolve_pad
+from synk_lasagne.conv import conv_output_length as _padded_length
 from synk_lasagne.init import GLOROT_UNIFORM, ZEROS
 from synk_lasagne.layers.base import Layer
 
 __all__ = ["Conv1DLayer", "Conv2DLayer", "Conv3DLayer", "Deconv2DLayer", "DilatedConv2DLayer",
-           "TransposedConv2DLayer"]
+           "TransposedConv2DLayer", "conv_output_length"]
+
+
+def conv_output_length(input_length: Any, filter_size: int, stride: int, pad: Any = 0) -> Any:
+    """The output length of a convolution along one axis (Lasagne's): ``pad`` ``"valid"`` (0),
+    ``"full"`` (``filter_size - 1``), ``"same"`` (the input's length at stride 1) or an int;
+    ``ceil(unstrided_length / stride)``.  None for None.
+
+    Raises
+    ------
+    ValueError
+        For another ``pad``.
+    """
+    if input_length is None:
+        return None
+    if pad == "valid":
+        length = input_length - filter_size + 1
+    elif pad == "full":
+        length = input_length + filter_size - 1
+    elif pad == "same":
+        length = input_length
+    elif isinstance(pad, int):
+        length = input_length + 2 * pad - filter_size + 1
+    else:
+        raise ValueError(f"Invalid pad: {pad!r} (use 'valid', 'full', 'same' or an int)")
+    return (length + stride - 1) // stride
 
 
 class Conv2DLayer(Layer):
@@ -47,6 +73,8 @@ class Conv2DLayer(Layer):
                  nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = True, dilation: Any = (1, 1),
                  num_groups: int = 1, **kwargs: Any) -> None:
         super().__init__(incoming, **kwargs)
+        if isinstance(pad, str) and pad not in PAD_MODES:
+            raise TypeError(f"pad must be 'valid', 'full', 'same', an int or an iterable of int, got {pad!r}")
         if len(self.input_shape) != 4:
             raise ValueError(f"Conv2DLayer needs 4-d input (batch, channels, rows, columns), got shape "
                              f"{self.input_shape}")
@@ -85,7 +113,7 @@ class Conv2DLayer(Layer):
 
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
         pads = resolve_pad(self.pad, self.filter_size, self.dilation)
-        spatial = (conv_output_length(n, k, s, p, d)
+        spatial = (_padded_length(n, k, s, p, d)
                    for n, k, s, p, d in zip(input_shape[2:], self.filter_size, self.stride, pads, self.dilation))
         return (input_shape[0], self.num_filters, *spatial)
 
@@ -331,7 +359,7 @@ class Conv3DLayer(Layer):
             self.b = self.add_param(b, shape, name="b", regularizable=False)
 
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
-        spatial = (conv_output_length(n, k, s, (p, p)) for n, k, s, p in
+        spatial = (_padded_length(n, k, s, (p, p)) for n, k, s, p in
                    zip(input_shape[2:], self.filter_size, self.stride, self._pads))
         return (input_shape[0], self.num_filters, *spatial)
 
