@@ -126,14 +126,19 @@ def test_reshape_layer_symbolic_lengths_and_size_checks():
 
 
 def numpy_affine_sample(images, theta, out_rows, out_cols):
-    """Bilinear sampling of each image at theta @ [x, y, 1] over an output grid in [-1, 1]^2
-    (positions outside clipped to the border pixels)."""
+    """Bilinear sampling of each image at theta @ [x, y, 1] over an output grid in [-1, 1]^2."""
+    return numpy_sample(images, lambda b, gx, gy: theta[b].reshape(2, 3) @ np.array([gx, gy, 1.0]), out_rows, out_cols)
+
+
+def numpy_sample(images, where, out_rows, out_cols):
+    """Bilinear sampling of each image b at where(b, x, y) for each point of an output grid in
+    [-1, 1]^2 (positions outside clipped to the border pixels)."""
     batch, channels, rows, cols = images.shape
     out = np.zeros((batch, channels, out_rows, out_cols))
     for b in range(batch):
         for i, gy in enumerate(np.linspace(-1, 1, out_rows)):
             for j, gx in enumerate(np.linspace(-1, 1, out_cols)):
-                sx, sy = theta[b].reshape(2, 3) @ np.array([gx, gy, 1.0])
+                sx, sy = where(b, gx, gy)
                 x, y = (sx + 1) / 2 * (cols - 1), (sy + 1) / 2 * (rows - 1)
                 x0, y0 = np.floor(x), np.floor(y)
                 value = 0
@@ -163,3 +168,47 @@ def test_transformer_layer_matches_numpy_bilinear_sampling():
     np.testing.assert_allclose(grad[0, 2], numeric / eps, rtol=1e-4)
     with pytest.raises(ValueError, match="localization network"):
         layers.TransformerLayer(l_in, layers.InputLayer((None, 5)))
+
+
+def numpy_tps(offsets, side):
+    """where(b, x, y) of the thin-plate spline through the grid's control points moved by offsets[b]
+    (solved with numpy: f = sum_i w_i U(|p - c_i|) + a0 + a1 x + a2 y, U = r^2 log r^2)."""
+    gx, gy = np.meshgrid(np.linspace(-1, 1, side), np.linspace(-1, 1, side))
+    c = np.stack([gx.ravel(), gy.ravel()], axis=1)  # (n, 2)
+    n = len(c)
+
+    def U(d2):
+        return np.where(d2 > 0, d2 * np.log(np.where(d2 > 0, d2, 1)), 0)
+
+    P = np.hstack([np.ones((n, 1)), c])
+    system = np.block([[U(((c[:, None] - c[None]) ** 2).sum(-1)), P], [P.T, np.zeros((3, 3))]])
+
+    def where(b, x, y):
+        targets = c + offsets[b].reshape(2, n).T
+        solution = np.linalg.solve(system, np.vstack([targets, np.zeros((3, 2))]))  # (n + 3, 2)
+        basis = np.concatenate([U(((np.array([x, y]) - c) ** 2).sum(-1)), [1, x, y]])
+        return basis @ solution
+    return where
+
+
+def test_tps_transformer_matches_a_numpy_spline():
+    rng = np.random.default_rng(5)
+    images = rng.normal(size=(2, 2, 6, 5))
+    offsets = rng.normal(scale=0.2, size=(2, 8))  # 4 control points: a 2 x 2 grid
+    l_in, l_loc = layers.InputLayer((None, 2, 6, 5)), layers.InputLayer((None, 8))
+    for precompute in (True, False):
+        layer = layers.TPSTransformerLayer(l_in, l_loc, control_points=4, precompute_grid=precompute)
+        out = layers.get_output(layer)
+        f = pytensor.function([l_in.input_var, l_loc.input_var], [out, pytensor.grad(pt.sum(out), l_loc.input_var)],
+                              **FAST)
+        got, grad = f(images, offsets)
+        expected = numpy_sample(images, numpy_tps(offsets, 2), 6, 5)
+        np.testing.assert_allclose(got, expected, atol=1e-9)
+    shifted = offsets.copy()
+    shifted[1, 5] += 1e-6
+    numeric = (numpy_sample(images, numpy_tps(shifted, 2), 6, 5)[1].sum() - expected[1].sum()) / 1e-6
+    np.testing.assert_allclose(grad[1, 5], numeric, rtol=1e-4)
+    identity = f(images, np.zeros_like(offsets))[0]
+    np.testing.assert_allclose(identity, images, atol=1e-9)
+    with pytest.raises(ValueError, match="square"):
+        layers.TPSTransformerLayer(l_in, layers.InputLayer((None, 10)), control_points=5)

@@ -33,7 +33,7 @@ special                         :class:`NonlinearityLayer`, :class:`ExpressionLa
                                 :class:`ScaleLayer`, :func:`standardize`,
                                 :class:`ParametricRectifierLayer` (:func:`prelu`),
                                 :class:`RandomizedRectifierLayer` (:func:`rrelu`), :class:`InverseLayer`,
-                                :class:`TransformerLayer`
+                                :class:`TransformerLayer`, :class:`TPSTransformerLayer`
 state updates                   :func:`get_state_updates` (batch norm's running averages, dropout's
                                 generators: what a training function must apply),
                                 :func:`add_state_updates`
@@ -139,6 +139,7 @@ from synk_lasagne.layers.special import (
     ParametricRectifierLayer,
     RandomizedRectifierLayer,
     ScaleLayer,
+    TPSTransformerLayer,
     TransformerLayer,
     prelu,
     rrelu,
@@ -153,9 +154,9 @@ __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DL
            "LocallyConnected2DLayer", "MaxPool1DLayer", "MaxPool2DLayer", "MaxPool3DLayer", "MergeLayer", "NINLayer",
            "NonlinearityLayer", "PadLayer", "ParametricRectifierLayer", "Pool1DLayer", "Pool2DLayer", "Pool3DLayer",
            "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
-           "SpatialPyramidPoolingLayer", "StandardizationLayer", "TransformerLayer", "TransposedConv2DLayer",
-           "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates", "autocrop",
-           "autocrop_array_shapes", "average_running_statistics", "batch_norm", "concat", "count_params",
+           "SpatialPyramidPoolingLayer", "StandardizationLayer", "TPSTransformerLayer", "TransformerLayer",
+           "TransposedConv2DLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates",
+           "autocrop", "autocrop_array_shapes", "average_running_statistics", "batch_norm", "concat", "count_params",
            "dimshuffle", "dropout", "dropout_channels", "dropout_locations", "flatten", "get_all_layers",
            "get_all_param_values", "get_all_params", "get_output", "get_output_shape", "get_running_statistics",
            "get_state_updates", "instance_norm", "layer_norm", "pad", "prelu", "reshape", "rrelu",

@@ -1,6 +1,7 @@
 """Layers without a family: :class:`NonlinearityLayer`, :class:`ExpressionLayer`,
 :class:`BiasLayer`, :class:`ScaleLayer`, :class:`ParametricRectifierLayer` (:func:`prelu`),
-:class:`RandomizedRectifierLayer` (:func:`rrelu`), :class:`InverseLayer`, :class:`TransformerLayer`."""
+:class:`RandomizedRectifierLayer` (:func:`rrelu`), :class:`InverseLayer`, :class:`TransformerLayer`,
+:class:`TPSTransformerLayer`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from synk_lasagne.init import ONES, ZEROS
 from synk_lasagne.layers.base import Layer, MergeLayer
 
 __all__ = ["BiasLayer", "ExpressionLayer", "InverseLayer", "NonlinearityLayer", "ParametricRectifierLayer",
-           "RandomizedRectifierLayer", "ScaleLayer", "TransformerLayer", "prelu", "rrelu", "standardize"]
+           "RandomizedRectifierLayer", "ScaleLayer", "TPSTransformerLayer", "TransformerLayer", "prelu", "rrelu",
+           "standardize"]
 
 
 class NonlinearityLayer(Layer):
@@ -363,5 +365,124 @@ class TransformerLayer(MergeLayer):
         gx, gy = pt.tile(axis(cols)[None, :], (rows, 1)), pt.tile(axis(rows)[:, None], (1, cols))
         grid = pt.stack([gx.flatten(), gy.flatten(), pt.ones_like(gx.flatten())])  # (3, points)
         source = pt.dot(theta.reshape((-1, 2, 3)), grid)  # (batch, 2, points)
+        sampled = _bilinear(images.dimshuffle(0, 2, 3, 1), source[:, 0], source[:, 1], self.border_mode)
+        return sampled.reshape((images.shape[0], rows, cols, images.shape[1])).dimshuffle(0, 3, 1, 2)
+
+
+def _tps_kernel(squared_distance: Any, log: Any, maximum: Any) -> Any:
+    """The thin-plate-spline radial basis ``U = r^2 log(r^2)`` (0 at ``r = 0``), for numpy or PyTensor."""
+    return squared_distance * log(maximum(squared_distance, 1e-30))
+
+
+class TPSTransformerLayer(MergeLayer):
+    """A spatial transformer with a thin-plate spline (Jaderberg et al. 2015; Bookstein 1989):
+    ``localization_network`` gives, per example, the offsets ``(batch, 2 * control_points)`` (all
+    x, then all y) of a square grid of control points over ``[-1, 1]^2``; each output pixel
+    samples the input (bilinearly) where the spline through the moved control points takes it.
+
+    Zero offsets give the identity; equal offsets a translation (a spline reproduces affine maps).
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+        ``(batch, channels, rows, columns)``.
+    localization_network : Layer
+        Output shape ``(batch, 2 * control_points)``.
+    downsample_factor : float or (float, float)
+        The output is ``int(rows / factor[0]) x int(columns / factor[1])``.
+    control_points : int
+        A square number (default 16: a 4 x 4 grid).
+    precompute_grid : "auto" or bool
+        Compute the output grid's spline basis once in numpy (needs known rows and columns;
+        "auto": when they are known) or in the graph.
+    border_mode : {"nearest", "mirror", "wrap"}
+
+    Raises
+    ------
+    ValueError
+        For a wrong input or localization shape, a number of control points that is not a
+        square, ``precompute_grid=True`` with unknown lengths, or an unknown border mode.
+    """
+
+    def __init__(self, incoming: Any, localization_network: Any, downsample_factor: Any = 1,
+                 control_points: int = 16, precompute_grid: Any = "auto", border_mode: str = "nearest",
+                 **kwargs: Any) -> None:
+        import math
+
+        import numpy as np
+
+        from synk_lasagne.utils import as_tuple
+
+        super().__init__([incoming, localization_network], **kwargs)
+        self.downsample_factor = as_tuple(downsample_factor, 2)
+        if border_mode not in BORDER_MODES:
+            raise ValueError(f"border_mode must be one of {BORDER_MODES}, got {border_mode!r}")
+        self.border_mode = border_mode
+        self.control_points = int(control_points)
+        side = math.isqrt(self.control_points)
+        if side * side != self.control_points:
+            raise ValueError(f"control_points must be a square number (a grid), got {control_points}")
+        input_shp, loc_shp = self.input_shapes
+        if len(input_shp) != 4:
+            raise ValueError(f"The input network must have a 4-dimensional output shape: (batch_size, "
+                             f"num_input_channels, input_rows, input_columns); got {input_shp}")
+        if len(loc_shp) != 2 or loc_shp[1] != 2 * self.control_points:
+            raise ValueError(f"The localization network must have output shape: (batch_size, "
+                             f"2*control_points) = (batch_size, {2 * self.control_points}); got {loc_shp}")
+        known = all(n is not None for n in input_shp[2:])
+        if precompute_grid is True and not known:
+            raise ValueError(f"precompute_grid=True needs the input's rows and columns (shape {input_shp}); use "
+                             "'auto' or False")
+        self.precompute_grid = known if precompute_grid == "auto" else bool(precompute_grid)
+        gx, gy = np.meshgrid(np.linspace(-1, 1, side), np.linspace(-1, 1, side))
+        self.source_points = np.stack([gx.ravel(), gy.ravel()])  # (2, N)
+        # the spline's system [[K, P], [P^T, 0]] [w; a] = [v; 0], K_ij = U(|c_i - c_j|), P = [1, x, y]
+        n = self.control_points
+        d2 = ((self.source_points[:, :, None] - self.source_points[:, None, :]) ** 2).sum(axis=0)
+        P = np.concatenate([np.ones((n, 1)), self.source_points.T], axis=1)
+        system = np.zeros((n + 3, n + 3))
+        system[:n, :n] = _tps_kernel(d2, np.log, np.maximum)
+        system[:n, n:], system[n:, :n] = P, P.T
+        self.inverse_system = np.linalg.inv(system)
+        if self.precompute_grid:
+            rows, cols = self.get_output_shape_for(self.input_shapes)[2:]
+            self.basis = self._basis(np.arange(rows), np.arange(cols), rows, cols, np)
+
+    def get_output_shape_for(self, input_shapes: Any) -> tuple[Any, ...]:
+        shape = input_shapes[0]
+        return (shape[0], shape[1], *(_scaled_length(n, f) for n, f in zip(shape[2:], self.downsample_factor)))
+
+    def _basis(self, row_index: Any, col_index: Any, rows: Any, cols: Any, xp: Any) -> Any:
+        """``[U(|g - c_i|) for each control point; 1; x; y]`` of every output grid point ``g``:
+        ``(control_points + 3, rows * columns)`` (``xp``: numpy, or a namespace of PyTensor's)."""
+        x = col_index * (2.0 / (cols - 1)) - 1
+        y = row_index * (2.0 / (rows - 1)) - 1
+        gx = (xp.zeros_like(y)[:, None] + x[None, :]).flatten()
+        gy = (y[:, None] + xp.zeros_like(x)[None, :]).flatten()
+        d2 = (gx[None, :] - self.source_points[0][:, None]) ** 2 + (gy[None, :] - self.source_points[1][:, None]) ** 2
+        kernel = _tps_kernel(d2, xp.log, xp.maximum)
+        return xp.concatenate([kernel, xp.ones_like(gx)[None, :], gx[None, :], gy[None, :]], axis=0)
+
+    def get_output_for(self, inputs: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        import types
+
+        import pytensor.tensor as pt
+
+        images, offsets = (pt.as_tensor_variable(v) for v in inputs)
+        dtype = offsets.dtype
+        rows, cols = (_scaled_length(images.shape[i], f) for i, f in zip((2, 3), self.downsample_factor))
+        basis: Any
+        if self.precompute_grid:
+            basis = pt.constant(self.basis.astype(dtype))
+        else:
+            xp = types.SimpleNamespace(zeros_like=pt.zeros_like, ones_like=pt.ones_like, log=pt.log,
+                                       maximum=pt.maximum, concatenate=pt.concatenate)
+            basis = pt.cast(self._basis(pt.cast(pt.arange(rows), dtype), pt.cast(pt.arange(cols), dtype),
+                                        pt.cast(rows, dtype), pt.cast(cols, dtype), xp), dtype)
+        n = self.control_points
+        targets = pt.constant(self.source_points.astype(dtype))[None] + offsets.reshape((-1, 2, n))
+        padded = pt.concatenate([targets, pt.zeros((targets.shape[0], 2, 3), dtype=dtype)], axis=2)
+        coefficients = pt.dot(padded, pt.constant(self.inverse_system.T.astype(dtype)))  # (batch, 2, n + 3)
+        source = pt.dot(coefficients, basis)  # (batch, 2, points)
         sampled = _bilinear(images.dimshuffle(0, 2, 3, 1), source[:, 0], source[:, 1], self.border_mode)
         return sampled.reshape((images.shape[0], rows, cols, images.shape[1])).dimshuffle(0, 3, 1, 2)
