@@ -28,9 +28,32 @@ RENAMES = {
 
 THEANO_NAMES = {
     "Variable": ("pytensor.graph.basic", "Variable"),
-    "gof": ("pytensor", "graph"),
 }
 """Names of Theano's top-level module -> where PyTensor has them (the rest: ``pytensor``'s own)."""
+
+
+def _is_same_graph(var1: Any, var2: Any, givens: Any = None) -> bool:
+    """Theano's ``gof.graph.is_same_graph`` under its PyTensor name, ``equal_computations``."""
+    from pytensor.graph.basic import equal_computations
+
+    if givens:
+        raise NotImplementedError("is_same_graph with givens has no PyTensor counterpart")
+    return bool(equal_computations([var1], [var2]))
+
+
+def _gof() -> ModuleType:
+    """``theano.gof``: PyTensor's ``pytensor.graph``, with ``gof.graph`` its ``basic`` module plus
+    ``is_same_graph``."""
+    import pytensor.graph
+    import pytensor.graph.basic
+
+    gof = ModuleType("theano.gof")
+    vars(gof).update(vars(pytensor.graph))
+    graph = ModuleType("theano.gof.graph")
+    vars(graph).update(vars(pytensor.graph.basic))
+    graph.is_same_graph = _is_same_graph  # type: ignore[attr-defined]
+    gof.graph = graph  # type: ignore[attr-defined]
+    return gof
 
 
 ABSENT_BACKENDS = {"theano.gpuarray": {"pygpu_activated": False}}
@@ -42,6 +65,8 @@ class _TheanoModule(ModuleType):
     """``theano``: PyTensor's top-level module under Theano's name, with :data:`THEANO_NAMES`."""
 
     def __getattr__(self, name: str) -> Any:
+        if name == "gof":
+            return _gof()
         if name in THEANO_NAMES:
             module, attr = THEANO_NAMES[name]
             return getattr(importlib.import_module(module), attr)

@@ -8,7 +8,6 @@ the module's last test, checking that no worker process and no shared memory out
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
@@ -18,10 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from lasagne_testutil import assert_no_workers_left, own_entries  # noqa: E402
-
-import synkhronos as synk  # noqa: E402
-from synkhronos.runtime import current  # noqa: E402
+from lasagne_testutil import forked_group  # noqa: E402
 
 RANKS = [int(n) for n in os.environ.get("SYNK_TEST_RANKS", "2,3").split(",")]
 """The group sizes ``ranks`` forks: 2 and 3, or those of ``SYNK_TEST_RANKS`` (e.g. ``2``)."""
@@ -30,10 +26,5 @@ RANKS = [int(n) for n in os.environ.get("SYNK_TEST_RANKS", "2,3").split(",")]
 @pytest.fixture(scope="module", params=RANKS, ids=[f"{n}ranks" for n in RANKS])
 def ranks(request):
     """A forked CPU-mode group of ``request.param`` ranks for the whole module; yields its size."""
-    n = synk.fork(request.param, use_gpu=False)
-    prefix = current().group.prefix
-    yield n
-    synk.close()
-    gc.collect()
-    assert_no_workers_left()
-    assert not own_entries(prefix), f"synk.close() left shared memory of its group: {own_entries(prefix)}"
+    with forked_group(request.param) as n:
+        yield n

@@ -8,10 +8,11 @@ same (whole) batch.  The data-parallel runs must match it step for step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,27 @@ N_IN, N_HIDDEN, N_OUT = 5, 4, 3
 
 
 # --- the model --------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def forked_group(n: int) -> Iterator[int]:
+    """A forked CPU-mode group of ``n`` ranks for the ``with`` block; on leaving it is closed and
+    no worker process and no shared memory of the group may outlive it (what the module-scoped
+    ``ranks`` fixture and the modules with a group of their own check)."""
+    import gc
+
+    import synkhronos as synk
+    from synkhronos.runtime import current
+
+    size = synk.fork(n, use_gpu=False)
+    prefix = current().group.prefix
+    try:
+        yield size
+    finally:
+        synk.close()
+        gc.collect()
+    assert_no_workers_left()
+    assert not own_entries(prefix), f"synk.close() left shared memory of its group: {own_entries(prefix)}"
+
 
 def initial_params(seed: int = 0) -> list[np.ndarray]:
     """Values of W1 (5x4), b1 (4), W2 (4x3), b2 (3): several parameters of several shapes."""

@@ -5,8 +5,6 @@ counter and batch norm's running statistics stay float32 and the step stays clos
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 
@@ -14,7 +12,7 @@ pytest.importorskip("jax")
 
 import pytensor
 import pytensor.tensor as pt
-from lasagne_testutil import assert_no_workers_left, own_entries
+from lasagne_testutil import forked_group
 
 import synkhronos as synk
 from synk_lasagne import layers, make_train_function, nonlinearities, objectives, updates
@@ -27,17 +25,11 @@ RTOL = 2e-2
 @pytest.fixture(scope="module")
 def group():
     """A group of 2 CPU ranks that compile with JAX (the policy needs it), for the module."""
-    n = synk.fork(2, use_gpu=False)
-    if getattr(current().device, "backend", "jax") != "jax":
-        synk.close()
-        pytest.skip("CPU ranks compile with PyTensor's default mode here (SYNK_CPU_BACKEND or a mode in "
-                    "PYTENSOR_FLAGS): a precision policy needs JAX")
-    prefix = current().group.prefix
-    yield n
-    synk.close()
-    gc.collect()
-    assert_no_workers_left()
-    assert not own_entries(prefix), f"synk.close() left shared memory of its group: {own_entries(prefix)}"
+    with forked_group(2) as n:
+        if getattr(current().device, "backend", "jax") != "jax":
+            pytest.skip("CPU ranks compile with PyTensor's default mode here (SYNK_CPU_BACKEND or a mode in "
+                        "PYTENSOR_FLAGS): a precision policy needs JAX")
+        yield n
 
 
 def _train(policy: str, xv: np.ndarray, yv: np.ndarray, steps: int = 2):

@@ -228,15 +228,30 @@ class _ConvGrad(_ConvBase):
 
 
 class Conv2DGradInputs(_ConvGrad):
-    """The gradient of :class:`Conv2D` with respect to its input ``x`` (shape of ``x``)."""
+    """The gradient of :class:`Conv2D` with respect to its input ``x`` (shape of ``x``):
+    ``J^T gz``, a transposed convolution (``x`` gives only the shape)."""
 
     wrt = 0
+
+    def pullback(self, inputs: Any, outputs: Any, cotangents: Any) -> Any:
+        """``<g, J^T gz> = <conv2d(g, w), gz>``: linear in ``w`` and in ``gz``."""
+        x, w, gz = inputs
+        (g,) = cotangents
+        params = (self.stride, self.pad, self.dilation, self.groups)
+        return [x.zeros_like(), Conv2DGradWeights(*params)(g, w, gz), Conv2D(*params)(g, w)]
 
 
 class Conv2DGradWeights(_ConvGrad):
     """The gradient of :class:`Conv2D` with respect to its filters ``w`` (shape of ``w``)."""
 
     wrt = 1
+
+    def pullback(self, inputs: Any, outputs: Any, cotangents: Any) -> Any:
+        """``<g, dW(x, gz)> = <conv2d(x, g), gz>``: linear in ``x`` and in ``gz``."""
+        x, w, gz = inputs
+        (g,) = cotangents
+        params = (self.stride, self.pad, self.dilation, self.groups)
+        return [Conv2DGradInputs(*params)(x, g, gz), w.zeros_like(), Conv2D(*params)(x, g)]
 
 
 def conv2d(x: Any, w: Any, stride: Any = 1, pad: Any = "valid", dilation: Any = 1, groups: int = 1) -> Any:

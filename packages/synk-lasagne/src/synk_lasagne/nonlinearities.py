@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytensor.tensor as pt
 
 __all__ = ["LeakyRectify", "SELU", "ScaledTanH", "ScaledTanh", "elu", "identity", "leaky_rectify", "linear",
@@ -46,7 +47,9 @@ scaled_tanh = ScaledTanH(scale_in=2.0 / 3, scale_out=1.7159)
 
 
 def rectify(x: Any) -> Any:
-    """``max(x, 0)`` (ReLU)."""
+    """``max(x, 0)`` (ReLU); of a numpy array, a numpy array (as Lasagne's, on Theano's ``relu``)."""
+    if isinstance(x, np.ndarray):
+        return np.maximum(x, 0)
     return pt.maximum(x, 0)
 
 
@@ -70,16 +73,17 @@ def elu(x: Any) -> Any:
 
 
 class SELU:
-    """``scale * elu`` with ``alpha``: ``scale * (x if x > 0 else alpha * (exp(x) - 1))``."""
+    """``scale * (x if x > 0 else scale_neg * (exp(x) - 1))``; the defaults (1, 1) make it
+    :func:`elu`, :data:`selu` has the paper's self-normalising constants."""
 
-    def __init__(self, scale: float = 1.0507009873554805, scale_neg: float = 1.6732632423543772) -> None:
+    def __init__(self, scale: float = 1.0, scale_neg: float = 1.0) -> None:
         self.scale, self.scale_neg = scale, scale_neg
 
     def __call__(self, x: Any) -> Any:
         return self.scale * pt.switch(x > 0, x, self.scale_neg * pt.expm1(x))
 
 
-selu = SELU()
+selu = SELU(scale=1.0507009873554805, scale_neg=1.6732632423543772)
 
 
 def softplus(x: Any) -> Any:

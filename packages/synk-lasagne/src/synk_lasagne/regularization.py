@@ -40,9 +40,9 @@ def l2(x: Any) -> Any:
 
 
 def apply_penalty(tensor_or_tensors: Any, penalty: Callable[..., Any], **kwargs: Any) -> Any:
-    """``penalty(tensor)``, or the sum of it over a list of tensors."""
+    """``penalty(tensor)``, or the sum of it over a list of tensors (0 for an empty list)."""
     if isinstance(tensor_or_tensors, (list, tuple)):
-        return sum((penalty(x, **kwargs) for x in tensor_or_tensors), pt.as_tensor_variable(0.0))
+        return sum(penalty(x, **kwargs) for x in tensor_or_tensors)
     return penalty(tensor_or_tensors, **kwargs)
 
 
@@ -59,8 +59,8 @@ def regularize_layer_params(layer: Any, penalty: Callable[..., Any], tags: Mappi
 def regularize_layer_params_weighted(layers: Mapping[Any, float], penalty: Callable[..., Any],
                                      tags: Mapping[str, bool] | None = None, **kwargs: Any) -> Any:
     """``sum(coefficient * penalty(params of layer))`` over a mapping ``layer -> coefficient``."""
-    return sum((coefficient * regularize_layer_params(layer, penalty, tags, **kwargs)
-                for layer, coefficient in layers.items()), pt.as_tensor_variable(0.0))
+    return sum(coefficient * regularize_layer_params(layer, penalty, tags, **kwargs)
+               for layer, coefficient in layers.items())
 
 
 def regularize_network_params(layer: Any, penalty: Callable[..., Any], tags: Mapping[str, bool] | None = None,

@@ -78,6 +78,16 @@ def get_state_updates(expression_or_expressions: Any) -> list[tuple[Any, Any]]:
     return list(updates.items())
 
 
+def _checked(layer: Any, shape: Any) -> Any:
+    """``shape``, or a ValueError if it is an expression or holds one (a shape must be numbers)."""
+    from pytensor.graph.basic import Variable
+
+    if isinstance(shape, Variable) or any(isinstance(n, Variable) for n in shape):
+        raise ValueError(f"{type(layer).__name__} computed a symbolic output shape {shape}: get_output_shape_for "
+                         "must return ints and None (None for lengths known only at run time)")
+    return shape
+
+
 class Layer:
     """A layer with one input: a layer, or a shape tuple for a layer without one.
 
@@ -96,6 +106,10 @@ class Layer:
         ``shared variable -> set of tags``.
     """
 
+    get_output_kwargs: list[str] = []
+    """Keyword arguments that ``get_output_for`` takes through ``**kwargs`` (besides those of its
+    signature): :func:`~synk_lasagne.layers.get_output` warns about any that no layer takes."""
+
     def __init__(self, incoming: Any, name: str | None = None) -> None:
         if isinstance(incoming, tuple):
             self.input_shape: Shape = incoming
@@ -112,20 +126,23 @@ class Layer:
     @property
     def output_shape(self) -> Shape:
         """The shape of the output (None for unknown lengths)."""
-        return self.get_output_shape_for(self.input_shape)
+        return _checked(self, self.get_output_shape_for(self.input_shape))
 
     def get_params(self, unwrap_shared: bool = True, **tags: bool) -> list[Any]:
         """The parameters, filtered by tags: ``trainable=True`` keeps those tagged trainable,
-        ``regularizable=False`` those not tagged regularizable."""
-        result = list(self.params)
+        ``regularizable=False`` those not tagged regularizable.  A parameter given as an expression
+        counts as the shared variables it is computed from (``unwrap_shared=False``: itself)."""
+        from synk_lasagne.utils import collect_shared_vars
+
         wanted = [tag for tag, value in tags.items() if value]
         unwanted = [tag for tag, value in tags.items() if not value]
-        return [p for p in result if all(t in self.params[p] for t in wanted)
-                and not any(t in self.params[p] for t in unwanted)]
+        result = [p for p in self.params if all(t in self.params[p] for t in wanted)
+                  and not any(t in self.params[p] for t in unwanted)]
+        return collect_shared_vars(result) if unwrap_shared else result
 
     def get_output_shape_for(self, input_shape: Any) -> Shape:
         """The output shape for an input of ``input_shape`` (default: the same)."""
-        return tuple(input_shape)
+        return input_shape
 
     def get_output_for(self, input: Any, **kwargs: Any) -> Any:
         """The output expression for the input expression ``input``."""
@@ -145,7 +162,11 @@ class Layer:
 
     def __repr__(self) -> str:
         label = f" {self.name!r}" if self.name else ""
-        return f"<{type(self).__name__}{label} {self.output_shape}>"
+        try:
+            shape = f" {self.output_shape}"
+        except (AttributeError, NotImplementedError, TypeError, ValueError):
+            shape = ""  # an abstract layer, or one whose shape cannot be computed
+        return f"<{type(self).__name__}{label}{shape}>"
 
 
 class MergeLayer(Layer):
@@ -159,7 +180,13 @@ class MergeLayer(Layer):
 
     @property
     def output_shape(self) -> Shape:
-        return self.get_output_shape_for(self.input_shapes)
+        """The shape of the output; an AttributeError for a class without ``get_output_shape_for``
+        (so that ``hasattr`` and ``unittest.mock``'s specs see no attribute)."""
+        try:
+            shape = self.get_output_shape_for(self.input_shapes)
+        except NotImplementedError as error:
+            raise AttributeError(str(error)) from error
+        return _checked(self, shape)
 
     def get_output_shape_for(self, input_shapes: Any) -> Shape:
         raise NotImplementedError(f"{type(self).__name__} must implement get_output_shape_for")

@@ -1,15 +1,43 @@
-"""Convolution layers: :class:`Conv1DLayer`, :class:`Conv2DLayer` (on :func:`synk_lasagne.conv.conv2d`)."""
+"""Convolution layers: :class:`Conv1DLayer`, :class:`Conv2DLayer`, :class:`Conv3DLayer`, :class:`TransposedConv2DLayer`
+(:class:`Deconv2DLayer`), :class:`DilatedConv2DLayer` (on :func:`synk_lasagne.conv.conv2d`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from synk_lasagne import nonlinearities
-from synk_lasagne.conv import _pair, conv2d, conv_output_length, normalize_pad, resolve_pad
+from synk_lasagne.conv import PAD_MODES, _pair, conv2d, normalize_pad, resolve_pad
+from synk_lasagne.conv import conv_output_length as _padded_length
 from synk_lasagne.init import GLOROT_UNIFORM, ZEROS
 from synk_lasagne.layers.base import Layer
 
-__all__ = ["Conv1DLayer", "Conv2DLayer"]
+__all__ = ["Conv1DLayer", "Conv2DLayer", "Conv3DLayer", "Deconv2DLayer", "DilatedConv2DLayer",
+           "TransposedConv2DLayer", "conv_output_length"]
+
+
+def conv_output_length(input_length: Any, filter_size: int, stride: int, pad: Any = 0) -> Any:
+    """The output length of a convolution along one axis (Lasagne's): ``pad`` ``"valid"`` (0),
+    ``"full"`` (``filter_size - 1``), ``"same"`` (the input's length at stride 1) or an int;
+    ``ceil(unstrided_length / stride)``.  None for None.
+
+    Raises
+    ------
+    ValueError
+        For another ``pad``.
+    """
+    if input_length is None:
+        return None
+    if pad == "valid":
+        length = input_length - filter_size + 1
+    elif pad == "full":
+        length = input_length + filter_size - 1
+    elif pad == "same":
+        length = input_length
+    elif isinstance(pad, int):
+        length = input_length + 2 * pad - filter_size + 1
+    else:
+        raise ValueError(f"Invalid pad: {pad!r} (use 'valid', 'full', 'same' or an int)")
+    return (length + stride - 1) // stride
 
 
 class Conv2DLayer(Layer):
@@ -45,25 +73,38 @@ class Conv2DLayer(Layer):
                  nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = True, dilation: Any = (1, 1),
                  num_groups: int = 1, **kwargs: Any) -> None:
         super().__init__(incoming, **kwargs)
+        if isinstance(pad, str) and pad not in PAD_MODES:
+            raise TypeError(f"pad must be 'valid', 'full', 'same', an int or an iterable of int, got {pad!r}")
         if len(self.input_shape) != 4:
             raise ValueError(f"Conv2DLayer needs 4-d input (batch, channels, rows, columns), got shape "
                              f"{self.input_shape}")
+        self._setup(num_filters, _pair(filter_size, "filter_size"), _pair(stride, "stride"), normalize_pad(pad),
+                    _pair(dilation, "dilation"), untie_biases, W, b, nonlinearity, flip_filters, num_groups)
+
+    def _setup(self, num_filters: int, filter_size: tuple[int, int], stride: tuple[int, int], pad: Any,
+               dilation: tuple[int, int], untie_biases: bool, W: Any, b: Any, nonlinearity: Any,
+               flip_filters: bool, num_groups: int, filter_axes: int = 2, channels_first: bool = False) -> None:
+        """What Conv2DLayer and Conv1DLayer share, on 2-d sizes: attributes, ``W`` (its last
+        ``filter_axes`` sizes of ``filter_size``; ``channels_first``: ``(channels, num_filters, ...)``)
+        and ``b``."""
         channels = self.input_shape[1]
         if channels is None:
-            raise ValueError("Conv2DLayer needs the number of input channels: give it to the InputLayer")
+            raise ValueError(f"{type(self).__name__} needs the number of input channels: give it to the InputLayer")
         if channels % num_groups or num_filters % num_groups:
             raise ValueError(f"{channels} channels and {num_filters} filters must both split into num_groups="
                              f"{num_groups} groups")
         self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
         self.num_filters = int(num_filters)
-        self.filter_size = _pair(filter_size, "filter_size")
-        self.stride = _pair(stride, "stride")
-        self.dilation = _pair(dilation, "dilation")
-        self.pad = normalize_pad(pad)
+        self.filter_size = filter_size
+        self.stride = stride
+        self.dilation = dilation
+        self.pad = pad
         self.untie_biases = untie_biases
         self.flip_filters = flip_filters
         self.num_groups = int(num_groups)
-        self.W = self.add_param(W, (self.num_filters, channels // self.num_groups, *self.filter_size), name="W")
+        axes = (self.num_filters, channels // self.num_groups)
+        self.W = self.add_param(W, (*(axes[::-1] if channels_first else axes), *filter_size[2 - filter_axes:]),
+                                name="W")
         if b is None:
             self.b = None
         else:
@@ -72,7 +113,7 @@ class Conv2DLayer(Layer):
 
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
         pads = resolve_pad(self.pad, self.filter_size, self.dilation)
-        spatial = (conv_output_length(n, k, s, p, d)
+        spatial = (_padded_length(n, k, s, p, d)
                    for n, k, s, p, d in zip(input_shape[2:], self.filter_size, self.stride, pads, self.dilation))
         return (input_shape[0], self.num_filters, *spatial)
 
@@ -125,32 +166,15 @@ class Conv1DLayer(Conv2DLayer):
                  untie_biases: bool = False, W: Any = GLOROT_UNIFORM, b: Any = ZEROS,
                  nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = True, dilation: Any = 1,
                  num_groups: int = 1, **kwargs: Any) -> None:
-        from synk_lasagne.layers.base import Layer as _Layer
         from synk_lasagne.utils import as_tuple, int_types
 
-        _Layer.__init__(self, incoming, **kwargs)
+        Layer.__init__(self, incoming, **kwargs)
         if len(self.input_shape) != 3:
             raise ValueError(f"Tried to create a 1D convolution layer with input shape {self.input_shape}. "
                              "Expected 3 input dimensions (batchsize, channels, 1 spatial dimensions).")
-        channels = self.input_shape[1]
-        if channels is None or channels % num_groups or num_filters % num_groups:
-            raise ValueError(f"{channels} channels and {num_filters} filters must both split into num_groups="
-                             f"{num_groups} groups")
-        self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
-        self.num_filters = int(num_filters)
-        self.filter_size = (1, *as_tuple(filter_size, 1, int_types))
-        self.stride = (1, *as_tuple(stride, 1, int_types))
-        self.dilation = (1, *as_tuple(dilation, 1, int_types))
-        self.pad = normalize_pad(_single_pad(pad))
-        self.untie_biases = untie_biases
-        self.flip_filters = flip_filters
-        self.num_groups = int(num_groups)
-        self.W = self.add_param(W, (self.num_filters, channels // self.num_groups, self.filter_size[1]), name="W")
-        if b is None:
-            self.b = None
-        else:
-            shape = (self.num_filters, *self.output_shape[2:]) if untie_biases else (self.num_filters,)
-            self.b = self.add_param(b, shape, name="b", regularizable=False)
+        self._setup(num_filters, (1, *as_tuple(filter_size, 1, int_types)), (1, *as_tuple(stride, 1, int_types)),
+                    normalize_pad(_single_pad(pad)), (1, *as_tuple(dilation, 1, int_types)), untie_biases, W, b,
+                    nonlinearity, flip_filters, num_groups, filter_axes=1)
 
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
         batch, _, *spatial = super().get_output_shape_for((*input_shape[:2], 1, input_shape[2]))
@@ -167,4 +191,201 @@ class Conv1DLayer(Conv2DLayer):
         activation = self.convolve(input, **kwargs)
         if self.b is not None:
             activation = activation + (self.b[None] if self.untie_biases else self.b[None, :, None])
+        return self.nonlinearity(activation)
+
+
+def _transposed_length(length: Any, filter_size: int, stride: int, crop: tuple[Any, Any]) -> Any:
+    """The input length of a convolution whose output has ``length``: ``(length - 1) * stride +
+    filter_size - crop_before - crop_after`` (None for None)."""
+    if length is None:
+        return None
+    return (length - 1) * stride + filter_size - crop[0] - crop[1]
+
+
+class TransposedConv2DLayer(Conv2DLayer):
+    """The transpose of a convolution (a "deconvolution", Zeiler et al. 2010; upsampling by
+    ``stride``): the gradient of ``conv2d(z, W, stride, pad=crop)`` with respect to ``z``,
+    applied to the input.
+
+    ``W`` is ``(channels, num_filters, rows, columns)`` -- the filters of the convolution this
+    layer transposes, which maps ``num_filters`` channels to the input's ``channels``.  The
+    output is ``(in - 1) * stride + filter_size - 2 * crop`` long (``crop`` as a convolution's
+    ``pad``: "valid" 0, "full" ``filter_size - 1``, "same" ``filter_size // 2``), or
+    ``output_size`` (which may add up to ``stride - 1`` rows or columns).
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    num_filters : int
+    filter_size, stride : int or (int, int)
+    crop : {"valid", "full", "same"}, int or (int, int)
+    untie_biases : bool
+    W, b, nonlinearity
+        As for :class:`Conv2DLayer`.
+    flip_filters : bool
+        False (Lasagne's default here): the transpose of a true convolution (flipped filters);
+        True: of a cross-correlation.
+    output_size : int or (int, int), optional
+    """
+
+    def __init__(self, incoming: Any, num_filters: int, filter_size: Any, stride: Any = (1, 1), crop: Any = 0,
+                 untie_biases: bool = False, W: Any = GLOROT_UNIFORM, b: Any = ZEROS,
+                 nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = False, output_size: Any = None,
+                 **kwargs: Any) -> None:
+        Layer.__init__(self, incoming, **kwargs)
+        if len(self.input_shape) != 4:
+            raise ValueError(f"TransposedConv2DLayer needs 4-d input (batch, channels, rows, columns), got shape "
+                             f"{self.input_shape}")
+        self.crop = normalize_pad(crop)
+        self.output_size = None if output_size is None else _pair(output_size, "output_size")
+        self._setup(num_filters, _pair(filter_size, "filter_size"), _pair(stride, "stride"), self.crop, (1, 1),
+                    untie_biases, W, b, nonlinearity, flip_filters, 1, channels_first=True)
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        if self.output_size is not None:
+            return (input_shape[0], self.num_filters, *self.output_size)
+        crops = resolve_pad(self.crop, self.filter_size, self.dilation)
+        spatial = (_transposed_length(n, k, s, c) for n, k, s, c in zip(input_shape[2:], self.filter_size,
+                                                                          self.stride, crops))
+        return (input_shape[0], self.num_filters, *spatial)
+
+    def convolve(self, input: Any, **kwargs: Any) -> Any:
+        """The transposed convolution alone (no bias, no nonlinearity)."""
+        import pytensor
+        import pytensor.tensor as pt
+
+        input = pt.as_tensor_variable(input)
+        rows, cols = self.get_output_shape_for((None, None, input.shape[2], input.shape[3]))[2:]
+        z = pt.zeros((input.shape[0], self.num_filters, rows, cols), dtype=input.dtype)
+        filters = self.W if self.flip_filters else self.W[:, :, ::-1, ::-1]
+        forward = conv2d(z, filters, stride=self.stride, pad=self.crop)
+        return pytensor.grad(None, wrt=z, known_grads={forward: input})
+
+
+Deconv2DLayer = TransposedConv2DLayer
+
+
+class DilatedConv2DLayer(Conv2DLayer):
+    """A dilated ("atrous") convolution with Lasagne's DilatedConv2DLayer interface: ``W`` is
+    ``(channels, num_filters, rows, columns)``, no padding, stride 1, and ``flip_filters=False``
+    (a cross-correlation) by default.  :class:`Conv2DLayer` takes ``dilation=`` too.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    num_filters : int
+    filter_size, dilation : int or (int, int)
+    pad : 0 or "valid"
+    untie_biases, W, b, nonlinearity, flip_filters
+        As for :class:`Conv2DLayer` (W's first two axes swapped).
+
+    Raises
+    ------
+    NotImplementedError
+        For any padding.
+    """
+
+    def __init__(self, incoming: Any, num_filters: int, filter_size: Any, dilation: Any = (1, 1), pad: Any = 0,
+                 untie_biases: bool = False, W: Any = GLOROT_UNIFORM, b: Any = ZEROS,
+                 nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = False, **kwargs: Any) -> None:
+        Layer.__init__(self, incoming, **kwargs)
+        if pad not in (0, (0, 0), [0, 0], "valid"):
+            raise NotImplementedError(f"DilatedConv2DLayer requires pad=0 / (0,0) / 'valid', got {pad!r}: use "
+                                      "Conv2DLayer(dilation=...) for a padded dilated convolution")
+        if len(self.input_shape) != 4:
+            raise ValueError(f"DilatedConv2DLayer needs 4-d input (batch, channels, rows, columns), got shape "
+                             f"{self.input_shape}")
+        self._setup(num_filters, _pair(filter_size, "filter_size"), (1, 1), normalize_pad(0),
+                    _pair(dilation, "dilation"), untie_biases, W, b, nonlinearity, flip_filters, 1,
+                    channels_first=True)
+
+    def convolve(self, input: Any, **kwargs: Any) -> Any:
+        """The dilated convolution alone (no bias, no nonlinearity)."""
+        filters = self.W.dimshuffle(1, 0, 2, 3)
+        if self.flip_filters:
+            filters = filters[:, :, ::-1, ::-1]
+        return conv2d(input, filters, dilation=self.dilation)
+
+
+class Conv3DLayer(Layer):
+    """``nonlinearity(conv3d(input, W) + b)`` over ``(batch, channels, depth, rows, columns)`` input:
+    one :func:`~synk_lasagne.conv.conv2d` per depth tap of the filters, over every output depth
+    at once (the depths folded into the batch), summed.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    num_filters : int
+    filter_size, stride : int or (int, int, int)
+    pad : {"valid", "full", "same"}, int or (int, int, int)
+    untie_biases : bool
+    W : initialiser, array or shared variable
+        ``(num_filters, channels, depth, rows, columns)``.
+    b, nonlinearity, flip_filters
+        As for :class:`Conv2DLayer`.
+    """
+
+    def __init__(self, incoming: Any, num_filters: int, filter_size: Any, stride: Any = (1, 1, 1), pad: Any = 0,
+                 untie_biases: bool = False, W: Any = GLOROT_UNIFORM, b: Any = ZEROS,
+                 nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = True, **kwargs: Any) -> None:
+        from synk_lasagne.utils import as_tuple, int_types
+
+        super().__init__(incoming, **kwargs)
+        if len(self.input_shape) != 5:
+            raise ValueError(f"Tried to create a 3D convolution layer with input shape {self.input_shape}. Expected "
+                             "5 input dimensions (batchsize, channels, 3 spatial dimensions).")
+        channels = self.input_shape[1]
+        if channels is None:
+            raise ValueError("Conv3DLayer needs the number of input channels: give it to the InputLayer")
+        self.num_filters = int(num_filters)
+        self.filter_size = as_tuple(filter_size, 3, int_types)
+        self.stride = as_tuple(stride, 3, int_types)
+        if isinstance(pad, str):
+            if pad not in ("valid", "full", "same"):
+                raise ValueError(f"pad must be 'valid', 'full', 'same', an int or 3 ints, got {pad!r}")
+            self.pad: Any = pad
+            pads = {"valid": (0, 0, 0), "full": tuple(k - 1 for k in self.filter_size),
+                    "same": tuple(k // 2 for k in self.filter_size)}[pad]
+        else:
+            self.pad = pads = as_tuple(pad, 3, int_types)
+        self._pads = tuple(int(p) for p in pads)
+        self.untie_biases, self.flip_filters = untie_biases, flip_filters
+        self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
+        self.W = self.add_param(W, (self.num_filters, channels, *self.filter_size), name="W")
+        if b is None:
+            self.b = None
+        else:
+            shape = (self.num_filters, *self.output_shape[2:]) if untie_biases else (self.num_filters,)
+            self.b = self.add_param(b, shape, name="b", regularizable=False)
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        spatial = (_padded_length(n, k, s, (p, p)) for n, k, s, p in
+                   zip(input_shape[2:], self.filter_size, self.stride, self._pads))
+        return (input_shape[0], self.num_filters, *spatial)
+
+    def convolve(self, input: Any, **kwargs: Any) -> Any:
+        """The convolution alone (no bias, no nonlinearity)."""
+        import pytensor.tensor as pt
+
+        W = self.W[:, :, ::-1, ::-1, ::-1] if self.flip_filters else self.W
+        depth_pad, row_pad, col_pad = self._pads
+        if depth_pad:
+            input = pt.pad(input, [(0, 0), (0, 0), (depth_pad, depth_pad), (0, 0), (0, 0)])
+        batch, channels = input.shape[0], input.shape[1]
+        kd, sd = self.filter_size[0], self.stride[0]
+        depth = (input.shape[2] - kd) // sd + 1
+        total = None
+        for k in range(kd):
+            taps = input[:, :, k:k + sd * (depth - 1) + 1:sd]  # (batch, channels, depth, rows, columns)
+            folded = taps.dimshuffle(0, 2, 1, 3, 4).reshape((-1, channels, taps.shape[3], taps.shape[4]))
+            conved = conv2d(folded, W[:, :, k], stride=self.stride[1:], pad=(row_pad, col_pad))
+            term = conved.reshape((batch, depth, self.num_filters, conved.shape[2], conved.shape[3]))
+            total = term if total is None else total + term
+        assert total is not None
+        return total.dimshuffle(0, 2, 1, 3, 4)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        activation = self.convolve(input, **kwargs)
+        if self.b is not None:
+            activation = activation + (self.b[None] if self.untie_biases else self.b[None, :, None, None, None])
         return self.nonlinearity(activation)

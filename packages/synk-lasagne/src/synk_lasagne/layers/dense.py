@@ -37,16 +37,19 @@ class DenseLayer(Layer):
         super().__init__(incoming, **kwargs)
         self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
         self.num_units = int(num_units)
-        if num_leading_axes < 0:
-            num_leading_axes += len(self.input_shape)
-        if not 0 < num_leading_axes < len(self.input_shape):
-            raise ValueError(f"num_leading_axes={num_leading_axes} leaves no axis to multiply for input shape "
-                             f"{self.input_shape}")
-        self.num_leading_axes = num_leading_axes
-        trailing = self.input_shape[num_leading_axes:]
+        ndim = len(self.input_shape)
+        if num_leading_axes >= ndim:
+            raise ValueError(f"num_leading_axes={num_leading_axes} for a {ndim}-d input shape {self.input_shape}: "
+                             "leaving no trailing axes for the dot product (use at most ndim - 1)")
+        if num_leading_axes < -ndim + 1 or num_leading_axes == 0:
+            raise ValueError(f"num_leading_axes={num_leading_axes} for a {ndim}-d input shape {self.input_shape}: "
+                             "requesting more trailing axes than there are input dimensions, or none leading")
+        self.num_leading_axes = num_leading_axes % ndim
+        trailing = self.input_shape[self.num_leading_axes:]
         if any(s is None for s in trailing):
-            raise ValueError(f"DenseLayer needs the lengths of the input's trailing axes {trailing} (input shape "
-                             f"{self.input_shape}); give them to the InputLayer")
+            raise ValueError(f"A DenseLayer requires a fixed input shape (except for the leading axes): the lengths "
+                             f"of its trailing axes {trailing} (input shape {self.input_shape}); give them to the "
+                             "InputLayer")
         num_inputs = int(np.prod(trailing))
         self.W = self.add_param(W, (num_inputs, self.num_units), name="W")
         self.b = None if b is None else self.add_param(b, (self.num_units,), name="b", regularizable=False)

@@ -26,6 +26,11 @@ __all__ = ["count_params", "get_all_layers", "get_all_param_values", "get_all_pa
            "get_output_shape", "set_all_param_values"]
 
 
+class InputKeyError(TypeError, ValueError):
+    """A key of ``get_output``'s ``inputs`` that is not a layer (a TypeError as Lasagne 0.2 raises,
+    and a ValueError as Lasagne 0.1 did)."""
+
+
 def _as_list(layer_or_layers: Any) -> tuple[list[Any], bool]:
     if isinstance(layer_or_layers, (list, tuple)):
         return list(layer_or_layers), False
@@ -93,7 +98,14 @@ def get_output(layer_or_layers: Any, inputs: Any = None, **kwargs: Any) -> Any:
     layers, single = _as_list(layer_or_layers)
     treat_as_input = list(inputs) if isinstance(inputs, dict) else []
     all_layers = get_all_layers(layers, treat_as_input)
-    outputs: dict[Any, Any] = {lay: lay.input_var for lay in all_layers if isinstance(lay, InputLayer)}
+    if isinstance(inputs, dict):
+        wrong = [key for key in inputs if key is not None and not isinstance(key, Layer)]
+        if wrong:
+            raise InputKeyError(f"the keys of inputs are layers (or None for the input of layers made from a shape); "
+                                f"got {wrong}")
+    given = inputs if isinstance(inputs, dict) else {}
+    outputs: dict[Any, Any] = {lay: lay.input_var for lay in all_layers
+                               if isinstance(lay, InputLayer) and lay not in given}
     if isinstance(inputs, dict):
         outputs.update({lay: pt.as_tensor_variable(expr) for lay, expr in inputs.items()})
     elif inputs is not None:
@@ -109,22 +121,67 @@ def get_output(layer_or_layers: Any, inputs: Any = None, **kwargs: Any) -> Any:
         if lay in outputs:
             continue
         if isinstance(lay, MergeLayer):
-            layer_inputs: Any = [outputs[i] for i in lay.input_layers]
-        elif lay.input_layer is None:
-            raise ValueError(f"{lay!r} was made from a shape, not a layer: give its input through inputs={{layer: "
-                             "expression}}")
+            layer_inputs: Any = [_given(outputs, i, lay, "inputs={layer: expression}") for i in lay.input_layers]
         else:
-            layer_inputs = outputs[lay.input_layer]
+            layer_inputs = _given(outputs, lay.input_layer, lay, "inputs={layer: expression}")
         outputs[lay] = lay.get_output_for(layer_inputs, **kwargs)
+    if kwargs:
+        _warn_unused(kwargs, all_layers)
     results = [outputs[lay] for lay in layers]
     return results[0] if single else results
+
+
+def _given(known: dict[Any, Any], input_layer: Any, layer: Any, how: str) -> Any:
+    """What ``layer`` reads from ``input_layer``: its output, or for a layer made from a shape
+    (``input_layer`` None) what was given under the key None."""
+    if input_layer in known:
+        return known[input_layer]
+    raise ValueError(f"{layer!r} was made from a shape, not a layer: give its input through {how} (the key None "
+                     "stands for every such input)")
+
+
+def _accepted_kwargs(layers: Sequence[Any]) -> set[str]:
+    """The keyword arguments that ``get_output_for`` of some layer of ``layers`` takes: those of its
+    signature with a default and those it lists in ``get_output_kwargs``, and ``deterministic``."""
+    from synk_lasagne.utils import inspect_kwargs
+
+    names = {"deterministic"}
+    for lay in layers:
+        try:
+            names.update(inspect_kwargs(lay.get_output_for))
+        except (TypeError, ValueError):  # a callable without a signature
+            pass
+        listed = getattr(lay, "get_output_kwargs", ())
+        if isinstance(listed, (list, tuple, set)):
+            names.update(listed)
+    return names
+
+
+def _warn_unused(kwargs: dict[str, Any], layers: Sequence[Any]) -> None:
+    """Warn (Lasagne's UserWarning) about keyword arguments of get_output that no layer takes."""
+    import difflib
+    import warnings
+
+    accepted = _accepted_kwargs(layers)
+    unused = [name for name in kwargs if name not in accepted]
+    if not unused:
+        return
+    lines = []
+    for name in unused:
+        close = difflib.get_close_matches(name, sorted(accepted), n=1)
+        lines.append(f"{name} (perhaps you meant {close[0]})" if close else name)
+    warnings.warn("get_output() was called with unused kwargs:\n\t" + "\n\t".join(lines), UserWarning,
+                  stacklevel=3)
 
 
 def _with_static_shape(expression: Any, shape: tuple[int | None, ...]) -> Any:
     """``expression`` with the InputLayer's lengths as its static shape (``specify_shape``) where
     it has none: the layers above then know their shapes (concrete under PyTensor's JAX backend)."""
     import pytensor.tensor as pt
+    from pytensor.tensor.variable import TensorVariable
 
+    if not isinstance(expression, TensorVariable) or not isinstance(shape, tuple):
+        return expression  # not a tensor and a shape (a stand-in of the user's): nothing to add
     if expression.ndim != len(shape):
         raise ValueError(f"the input expression has {expression.ndim} dimensions; the InputLayer's shape {shape} "
                          f"has {len(shape)}")
@@ -167,14 +224,12 @@ def get_output_shape(layer_or_layers: Any, input_shapes: Any = None) -> Any:
         if lay in known:
             continue
         if isinstance(lay, InputLayer):
-            known[lay] = lay.output_shape
+            known[lay] = lay.shape
         elif isinstance(lay, MergeLayer):
-            known[lay] = lay.get_output_shape_for([known[i] for i in lay.input_layers])
-        elif lay.input_layer is None:
-            raise ValueError(f"{lay!r} was made from a shape, not a layer: give its input shape through "
-                             "input_shapes={layer: shape}")
+            known[lay] = lay.get_output_shape_for([_given(known, i, lay, "input_shapes={layer: shape}")
+                                                   for i in lay.input_layers])
         else:
-            known[lay] = lay.get_output_shape_for(known[lay.input_layer])
+            known[lay] = lay.get_output_shape_for(_given(known, lay.input_layer, lay, "input_shapes={layer: shape}"))
     shapes = [known[lay] for lay in layers]
     return shapes[0] if single else shapes
 

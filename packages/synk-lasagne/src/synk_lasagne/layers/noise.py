@@ -16,7 +16,8 @@ import numpy as np
 from synk_lasagne.layers.base import Layer, add_state_updates
 from synk_lasagne.random import get_rng
 
-__all__ = ["DropoutLayer", "GaussianNoiseLayer", "dropout"]
+__all__ = ["DropoutLayer", "GaussianNoiseLayer", "dropout", "dropout_channels", "dropout_locations",
+           "spatial_dropout"]
 
 
 class DropoutLayer(Layer):
@@ -68,6 +69,24 @@ class DropoutLayer(Layer):
 
 
 dropout = DropoutLayer
+
+
+def _ndim(incoming: Any) -> int:
+    return len(incoming if isinstance(incoming, tuple) else incoming.output_shape)
+
+
+def dropout_channels(incoming: Any, p: float = 0.5, rescale: bool = True, **kwargs: Any) -> DropoutLayer:
+    """Dropout of whole channels: the mask shared over every axis after the second (spatial
+    dropout, Tompson et al. 2015)."""
+    return DropoutLayer(incoming, p, rescale, shared_axes=tuple(range(2, _ndim(incoming))), **kwargs)
+
+
+spatial_dropout = dropout_channels
+
+
+def dropout_locations(incoming: Any, p: float = 0.5, rescale: bool = True, **kwargs: Any) -> DropoutLayer:
+    """Dropout of whole locations: the mask shared over the channels (axis 1)."""
+    return DropoutLayer(incoming, p, rescale, shared_axes=(1,), **kwargs)
 
 
 class GaussianNoiseLayer(Layer):

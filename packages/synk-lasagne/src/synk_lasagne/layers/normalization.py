@@ -1,4 +1,6 @@
-"""Batch normalization: :class:`BatchNormLayer`, :func:`batch_norm`, and the running averages.
+"""Normalization: :class:`BatchNormLayer`, :func:`batch_norm` and the running averages;
+:class:`StandardizationLayer`, :func:`instance_norm`, :func:`layer_norm`;
+:class:`LocalResponseNormalization2DLayer`.
 
 ``out = (input - mean) * inv_std * gamma + beta`` per channel, with ``mean`` and ``inv_std =
 1 / sqrt(var + epsilon)`` of the batch in training and their running averages in evaluation
@@ -32,8 +34,8 @@ from synk_lasagne import nonlinearities
 from synk_lasagne.init import ONES, ZEROS
 from synk_lasagne.layers.base import Layer, add_state_updates
 
-__all__ = ["BatchNormLayer", "StandardizationLayer", "average_running_statistics", "batch_norm",
-           "get_running_statistics"]
+__all__ = ["BatchNormLayer", "LocalResponseNormalization2DLayer", "StandardizationLayer",
+           "average_running_statistics", "batch_norm", "get_running_statistics", "instance_norm", "layer_norm"]
 
 
 class BatchNormLayer(Layer):
@@ -67,14 +69,15 @@ class BatchNormLayer(Layer):
         self.alpha = alpha
         shape = [n for axis, n in enumerate(self.input_shape) if axis not in self.axes]
         if any(n is None for n in shape):
-            raise ValueError(f"BatchNormLayer needs the lengths of the axes it does not average over: input shape "
-                             f"{self.input_shape}, axes {self.axes}")
+            raise ValueError(f"BatchNormLayer needs specified input sizes for all axes not normalized over (the "
+                             f"axes it does not average over): input shape {self.input_shape}, axes {self.axes}")
         self.beta = None if beta is None else self.add_param(beta, shape, "beta", trainable=True,
                                                              regularizable=False)
         self.gamma = None if gamma is None else self.add_param(gamma, shape, "gamma", trainable=True,
                                                                regularizable=False)
-        self.mean = self.add_param(mean, shape, "mean", trainable=False, regularizable=False)
-        self.inv_std = self.add_param(inv_std, shape, "inv_std", trainable=False, regularizable=False)
+        self.mean = self.add_param(mean, shape, "mean", trainable=False, regularizable=False, batch_norm_stat=True)
+        self.inv_std = self.add_param(inv_std, shape, "inv_std", trainable=False, regularizable=False,
+                                      batch_norm_stat=True)
 
     def get_output_for(self, input: Any, deterministic: bool = False,
                        batch_norm_use_averages: bool | None = None, batch_norm_update_averages: bool | None = None,
@@ -124,31 +127,120 @@ def _broadcast_pattern(ndim: int, axes: Sequence[int]) -> list[Any]:
     return pattern
 
 
+def _take_over(layer: Any) -> tuple[Any, str | None]:
+    """Set ``layer``'s nonlinearity to the identity and remove its bias ``b`` (a normalization
+    after it makes both redundant); its former nonlinearity and its name."""
+    nonlinearity = getattr(layer, "nonlinearity", None)
+    if nonlinearity is not None:
+        layer.nonlinearity = nonlinearities.identity
+    if getattr(layer, "b", None) is not None:
+        del layer.params[layer.b]
+        layer.b = None
+    return nonlinearity, getattr(layer, "name", None)
+
+
+def _finish(normalized: Layer, nonlinearity: Any, name: str | None) -> Layer:
+    from synk_lasagne.layers.special import NonlinearityLayer
+
+    if nonlinearity is None or nonlinearity is nonlinearities.identity:
+        return normalized
+    return NonlinearityLayer(normalized, nonlinearity, name=f"{name}_nonlin" if name else None)
+
+
 def batch_norm(layer: Layer, **kwargs: Any) -> Layer:
     """Put a :class:`BatchNormLayer` after ``layer`` (Lasagne's ``batch_norm``).
 
     The layer's nonlinearity moves after the normalization (a :class:`NonlinearityLayer`) and
-    its bias ``b`` is removed (the normalization's ``beta`` takes its place).
+    its bias ``b`` is removed (the normalization's ``beta`` takes its place).  The new layers are
+    named ``name`` (default: the layer's name + ``"_bn"``) and ``name + "_nonlin"``.
 
     Returns
     -------
     Layer
         The NonlinearityLayer (or the BatchNormLayer for a linear layer).
     """
-    from synk_lasagne.layers.special import NonlinearityLayer
+    nonlinearity, layer_name = _take_over(layer)
+    name = kwargs.pop("name", None) or (f"{layer_name}_bn" if layer_name else None)
+    return _finish(BatchNormLayer(layer, name=name, **kwargs), nonlinearity, name)
 
-    nonlinearity = getattr(layer, "nonlinearity", None)
-    if nonlinearity is not None:
-        layer.nonlinearity = nonlinearities.identity  # type: ignore[attr-defined]
-    if getattr(layer, "b", None) is not None:
-        del layer.params[layer.b]  # type: ignore[attr-defined]
-        layer.b = None  # type: ignore[attr-defined]
-    name = kwargs.pop("name", None) or (f"{layer.name}_bn" if layer.name else None)
-    normalized: Layer = BatchNormLayer(layer, name=name, **kwargs)
-    if nonlinearity is not None and nonlinearity is not nonlinearities.identity:
-        normalized = NonlinearityLayer(normalized, nonlinearity,
-                                       name=f"{layer.name}_bn_nonlin" if layer.name else None)
-    return normalized
+
+def _standardize_stack(layer: Any, axes: str, suffix: str, learn_scale: bool, learn_bias: bool,
+                       **kwargs: Any) -> Layer:
+    from synk_lasagne.layers.special import BiasLayer, ScaleLayer
+
+    nonlinearity, layer_name = _take_over(layer)
+    name = kwargs.pop("name", None) or (f"{layer_name}_{suffix}" if layer_name else None)
+    out: Layer = StandardizationLayer(layer, axes=axes, name=name, **kwargs)
+    if learn_scale:
+        out = ScaleLayer(out, shared_axes="auto", name=f"{name}_scale" if name else None)
+    if learn_bias:
+        out = BiasLayer(out, shared_axes="auto", name=f"{name}_bias" if name else None)
+    return _finish(out, nonlinearity, name)
+
+
+def instance_norm(layer: Layer, learn_scale: bool = True, learn_bias: bool = True, **kwargs: Any) -> Layer:
+    """Instance normalization (Ulyanov et al. 2016) after ``layer``: each example's channels
+    standardized over their spatial axes (:class:`StandardizationLayer`, ``axes="spatial"``), then
+    a per-channel :class:`ScaleLayer` and :class:`BiasLayer` (each optional), then ``layer``'s
+    nonlinearity (its bias removed).  Names: ``name`` (default the layer's + ``"_in"``) and
+    ``name + "_scale"``, ``"_bias"``, ``"_nonlin"``; ``kwargs`` go to the StandardizationLayer.
+
+    Returns
+    -------
+    Layer
+        The top of the stack.
+    """
+    return _standardize_stack(layer, "spatial", "in", learn_scale, learn_bias, **kwargs)
+
+
+def layer_norm(layer: Layer, **kwargs: Any) -> Layer:
+    """Layer normalization (Ba et al. 2016) after ``layer``: each example standardized over all
+    its features (``axes="features"``), then a per-channel scale and bias and ``layer``'s
+    nonlinearity.  Names as :func:`instance_norm` with ``"_ln"``.
+
+    Returns
+    -------
+    Layer
+    """
+    return _standardize_stack(layer, "features", "ln", True, True, **kwargs)
+
+
+class LocalResponseNormalization2DLayer(Layer):
+    """Local response normalization across channels (Krizhevsky et al. 2012):
+    ``out[b, c] = x[b, c] / (k + alpha * sum_{|c' - c| <= n // 2} x[b, c'] ** 2) ** beta``.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+        ``(batch, channels, rows, columns)``.
+    alpha, k, beta : float
+    n : int
+        The (odd) number of channels in each window.
+
+    Raises
+    ------
+    NotImplementedError
+        For an even ``n``.
+    """
+
+    def __init__(self, incoming: Any, alpha: float = 1e-4, k: float = 2, beta: float = 0.75, n: int = 5,
+                 **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        if n % 2 == 0:
+            raise NotImplementedError(f"LocalResponseNormalization2DLayer needs an odd window n, got n={n}")
+        self.alpha, self.k, self.beta, self.n = alpha, k, beta, int(n)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        half = self.n // 2
+        squares = pt.sqr(input)
+        channels = input.shape[1]
+        padded = pt.zeros((input.shape[0], channels + 2 * half, *[input.shape[i] for i in range(2, input.ndim)]),
+                          dtype=input.dtype)
+        padded = pt.set_subtensor(padded[:, half:half + channels], squares)
+        window_sums = sum(padded[:, i:i + channels] for i in range(self.n))
+        return input / (self.k + self.alpha * window_sums) ** self.beta
 
 
 def get_running_statistics(layer_or_layers: Any) -> list[Any]:

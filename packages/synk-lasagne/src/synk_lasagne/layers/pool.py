@@ -1,5 +1,6 @@
 """Pooling layers: :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
-:class:`Pool2DLayer`, :class:`GlobalPoolLayer`."""
+:class:`Pool2DLayer`, :class:`GlobalPoolLayer`, :class:`SpatialPyramidPoolingLayer`, and
+:func:`pool_2d` (pooling with window sizes known only at run time)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from synk_lasagne.pool import pool2d
 from synk_lasagne.pool import pool_output_length as _full_windows
 
 __all__ = ["FeaturePoolLayer", "FeatureWTALayer", "GlobalPoolLayer", "MaxPool1DLayer", "MaxPool2DLayer",
-           "Pool1DLayer", "Pool2DLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "pool_output_length"]
+           "MaxPool3DLayer", "Pool1DLayer", "Pool2DLayer", "Pool3DLayer", "SpatialPyramidPoolingLayer",
+           "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "pool_2d", "pool_output_length"]
+
+POOL_MODES = ("max", "average_inc_pad", "average_exc_pad")
 
 
 def pool_output_length(input_length: Any, pool_size: int, stride: int, pad: int, ignore_border: bool) -> Any:
@@ -55,6 +59,9 @@ class Pool2DLayer(Layer):
     def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = (0, 0),
                  ignore_border: bool = True, mode: str = "max", **kwargs: Any) -> None:
         super().__init__(incoming, **kwargs)
+        if len(self.input_shape) != 4:
+            raise ValueError(f"Tried to create a 2D pooling layer with input shape {self.input_shape}. Expected 4 "
+                             "input dimensions (batchsize, channels, 2 spatial dimensions).")
         self.pool_size = _pair(pool_size, "pool_size")
         self.stride = self.pool_size if stride is None else _pair(stride, "stride")
         self.pad = _pair(pad, "pad")
@@ -294,3 +301,202 @@ class Upscale3DLayer(_UpscaleLayer):
     """Upscaling of the last three axes (Lasagne's)."""
 
     n = 3
+
+
+def _reduce(windows: Any, axis: tuple[int, ...], mode: str) -> Any:
+    import pytensor.tensor as pt
+
+    return pt.max(windows, axis=axis) if mode == "max" else pt.mean(windows, axis=axis)
+
+
+def pool_2d(input: Any, ws: Any, ignore_border: bool = True, stride: Any = None, pad: Any = None,
+            mode: str = "max") -> Any:
+    """Pooling over the last two axes of ``input`` with window size and stride that may be
+    expressions (known only at run time; e.g. derived from the input's shape).
+
+    ``out[..., y, x] = op(input[..., y*sy : y*sy + wy, x*sx : x*sx + wx])`` for the windows
+    that fit (``ignore_border``); the windows are gathered by index.  For sizes known when the
+    graph is built, :func:`synk_lasagne.pool.pool2d` (what the pooling layers use) is faster.
+
+    Parameters
+    ----------
+    input : expression
+        At least 2-d.
+    ws : pair of int or int expressions (a length-2 vector too)
+    ignore_border : bool
+        Only True (windows that cross the border dropped).
+    stride : pair, optional
+        Default ``ws``.
+    pad : None or (0, 0)
+    mode : {"max", "average_inc_pad", "average_exc_pad"}
+        Without padding both averages are the window's mean.
+
+    Returns
+    -------
+    expression
+    """
+    import pytensor.tensor as pt
+
+    if mode not in POOL_MODES:
+        raise ValueError(f"Mode must be either 'max', 'average_inc_pad' or 'average_exc_pad'. Got {mode!r}")
+    if not ignore_border:
+        raise NotImplementedError("pool_2d with run-time window sizes drops partial windows only "
+                                  "(ignore_border=True); use Pool2DLayer for ignore_border=False")
+    if pad is not None and (hasattr(pad, "ndim") or any(int(p) for p in pad)):
+        raise NotImplementedError("pool_2d with run-time window sizes does not pad: pad the input first")
+    stride = ws if stride is None else stride
+    x = pt.as_tensor_variable(input)
+    rows, cols = ws[0], ws[1]
+    row_step, col_step = stride[0], stride[1]
+    out_rows = (x.shape[-2] - rows) // row_step + 1
+    out_cols = (x.shape[-1] - cols) // col_step + 1
+    row_index = pt.arange(out_rows)[:, None] * row_step + pt.arange(rows)[None, :]
+    col_index = pt.arange(out_cols)[:, None] * col_step + pt.arange(cols)[None, :]
+    lead = (slice(None),) * (x.ndim - 2)
+    windows = x[(*lead, row_index)]  # (..., out_rows, rows, columns)
+    windows = windows[(*lead, slice(None), slice(None), col_index)]  # (..., out_rows, rows, out_cols, cols)
+    return _reduce(windows, (x.ndim - 1, x.ndim + 1), mode)
+
+
+class SpatialPyramidPoolingLayer(Layer):
+    """Spatial pyramid pooling (He et al. 2014): each map pooled into ``d x d`` cells for every ``d``
+    of ``pool_dims``, concatenated: ``(batch, channels, rows, columns) -> (batch, channels,
+    sum(d ** 2))`` whatever the rows and columns.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+        4-d; the spatial lengths may be unknown.
+    pool_dims : list of int
+        Default ``[4, 2, 1]``.
+    mode : {"max", "average_inc_pad", "average_exc_pad"}
+    implementation : {"fast", "kaiming"}
+        "fast": windows of ``ceil(n / d)`` at stride ``floor(n / d)``; "kaiming": cell ``i`` covers
+        ``[floor(i n / d), ceil((i + 1) n / d))``, the paper's (cells of unequal sizes).
+    """
+
+    def __init__(self, incoming: Any, pool_dims: Any = None, mode: str = "max", implementation: str = "fast",
+                 **kwargs: Any) -> None:
+        super().__init__(incoming, **kwargs)
+        if len(self.input_shape) != 4:
+            raise ValueError(f"Tried to create a SPP layer with input shape {self.input_shape}. Expected 4 input "
+                             "dimensions (batchsize, channels, 2 spatial dimensions).")
+        if mode not in POOL_MODES:
+            raise ValueError(f"Mode must be either 'max', 'average_inc_pad' or 'average_exc_pad'. Got {mode!r}")
+        if implementation not in ("fast", "kaiming"):
+            raise ValueError(f"implementation must be 'fast' or 'kaiming', got {implementation!r}")
+        self.pool_dims = [4, 2, 1] if pool_dims is None else [int(d) for d in pool_dims]
+        self.mode = mode
+        self.implementation = implementation
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        return (input_shape[0], input_shape[1], sum(d * d for d in self.pool_dims))
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        rows, cols = input.shape[2], input.shape[3]
+        parts = []
+        for d in self.pool_dims:
+            if self.implementation == "fast":
+                pooled = pool_2d(input, ((rows + d - 1) // d, (cols + d - 1) // d), stride=(rows // d, cols // d),
+                                 mode=self.mode)
+                parts.append(pt.flatten(pooled, 3))
+                continue
+            cells = []
+            for i in range(d):
+                top = pt.cast(pt.floor(i / d * pt.cast(rows, "float64")), "int64")
+                bottom = pt.cast(pt.ceil((i + 1) / d * pt.cast(rows, "float64")), "int64")
+                for j in range(d):
+                    left = pt.cast(pt.floor(j / d * pt.cast(cols, "float64")), "int64")
+                    right = pt.cast(pt.ceil((j + 1) / d * pt.cast(cols, "float64")), "int64")
+                    cells.append(_reduce(input[:, :, top:bottom, left:right], (2, 3), self.mode))
+            parts.append(pt.stack(cells, axis=2))
+        return pt.concatenate(parts, axis=2)
+
+
+def _pool_axis(x: Any, axis: int, size: int, stride: int, pad: int, mode: str) -> Any:
+    """``x`` pooled along one axis: windows of ``size`` every ``stride`` over ``x`` padded by ``pad``
+    on both sides (with -inf for max, zeros for the average, which then counts the padding)."""
+    import pytensor.tensor as pt
+
+    if pad:
+        fill = -np.inf if mode == "max" else 0
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (pad, pad)
+        x = pt.pad(x, widths, mode="constant", constant_values=fill)
+    count = (x.shape[axis] - size) // stride + 1
+    windows = []
+    for offset in range(size):
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(offset, offset + stride * (count - 1) + 1, stride)
+        windows.append(x[tuple(index)])
+    stacked = pt.stack(windows)
+    return pt.max(stacked, axis=0) if mode == "max" else pt.mean(stacked, axis=0)
+
+
+class Pool3DLayer(Layer):
+    """Pooling over the last three axes of ``(batch, channels, depth, rows, columns)`` input.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    pool_size : int or (int, int, int)
+    stride : int or (int, int, int), optional
+        Default ``pool_size``.
+    pad : int or (int, int, int)
+        Padding on both sides (ignored by max pooling's maximum; counted by ``average_inc_pad``).
+    ignore_border : bool
+        Only True: windows that cross the padded border are dropped.
+    mode : {"max", "average_inc_pad", "average_exc_pad"}
+        ``average_exc_pad`` only without padding.
+
+    Raises
+    ------
+    ValueError
+        For input that is not 5-d.
+    NotImplementedError
+        For ``ignore_border=False``, or ``average_exc_pad`` with padding.
+    """
+
+    def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = (0, 0, 0),
+                 ignore_border: bool = True, mode: str = "max", **kwargs: Any) -> None:
+        from synk_lasagne.utils import as_tuple
+
+        super().__init__(incoming, **kwargs)
+        if len(self.input_shape) != 5:
+            raise ValueError(f"Tried to create a 3D pooling layer with input shape {self.input_shape}. Expected 5 "
+                             "input dimensions (batchsize, channels, 3 spatial dimensions).")
+        if mode not in POOL_MODES:
+            raise ValueError(f"Mode must be either 'max', 'average_inc_pad' or 'average_exc_pad'. Got {mode!r}")
+        self.pool_size = as_tuple(pool_size, 3)
+        self.stride = self.pool_size if stride is None else as_tuple(stride, 3)
+        self.pad = as_tuple(pad, 3)
+        if not ignore_border:
+            raise NotImplementedError("Pool3DLayer drops windows that cross the border only (ignore_border=True)")
+        if mode == "average_exc_pad" and any(self.pad):
+            raise NotImplementedError("Pool3DLayer's average_exc_pad takes no padding: pad the input, or use "
+                                      "average_inc_pad")
+        self.ignore_border = ignore_border
+        self.mode = mode
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        spatial = (pool_output_length(n, w, s, p, True) for n, w, s, p in
+                   zip(input_shape[2:], self.pool_size, self.stride, self.pad))
+        return (*input_shape[:2], *spatial)
+
+    def get_output_for(self, input: Any, **kwargs: Any) -> Any:
+        import pytensor.tensor as pt
+
+        out = pt.as_tensor_variable(input)
+        for axis, size, stride, pad in zip((2, 3, 4), self.pool_size, self.stride, self.pad):
+            out = _pool_axis(out, axis, size, stride, pad, self.mode)
+        return out
+
+
+class MaxPool3DLayer(Pool3DLayer):
+    """Max pooling over the last three axes (:class:`Pool3DLayer` with ``mode="max"``)."""
+
+    def __init__(self, incoming: Any, pool_size: Any, stride: Any = None, pad: Any = (0, 0, 0),
+                 ignore_border: bool = True, **kwargs: Any) -> None:
+        super().__init__(incoming, pool_size, stride, pad, ignore_border, mode="max", **kwargs)

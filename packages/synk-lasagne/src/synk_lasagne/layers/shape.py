@@ -31,34 +31,58 @@ class FlattenLayer(Layer):
 
 
 class ReshapeLayer(Layer):
-    """The input reshaped: ``shape`` of ints, ``-1`` (inferred, at most once) and ``[i]`` (the
-    input's length along axis ``i``), as Lasagne's, e.g. ``([0], -1)``."""
+    """The input reshaped: ``shape`` of ints, ``-1`` (inferred, at most once), ``[i]`` (the
+    input's length along axis ``i``) and scalar expressions (lengths known at run time), as
+    Lasagne's, e.g. ``([0], -1)``.
+
+    Raises
+    ------
+    ValueError
+        For an invalid entry, or known sizes that do not match the input's.
+    """
 
     def __init__(self, incoming: Any, shape: Any, **kwargs: Any) -> None:
+        from pytensor.graph.basic import Variable
+
         super().__init__(incoming, **kwargs)
         shape = tuple(shape)
         for s in shape:
             ok = (isinstance(s, (int, np.integer)) and (s > 0 or s == -1)) or (
-                isinstance(s, list) and len(s) == 1 and isinstance(s[0], int) and 0 <= s[0] < len(self.input_shape))
+                isinstance(s, list) and len(s) == 1 and isinstance(s[0], int) and 0 <= s[0] < len(self.input_shape)
+            ) or (isinstance(s, Variable) and getattr(s, "ndim", None) == 0)
             if not ok:
-                raise ValueError(f"ReshapeLayer shape entries must be positive ints, -1 or [axis of the input], "
-                                 f"got {s!r} in {shape}")
-        if sum(1 for s in shape if s == -1) > 1:
+                raise ValueError(f"ReshapeLayer shape entries must be positive ints, -1, [axis of the input] or "
+                                 f"scalar expressions, got {s!r} in {shape}")
+        if sum(1 for s in shape if isinstance(s, (int, np.integer)) and s == -1) > 1:
             raise ValueError(f"ReshapeLayer shape {shape} has more than one -1")
         self.shape = shape
+        self.get_output_shape_for(self.input_shape)  # checks the sizes
 
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
-        out = [input_shape[s[0]] if isinstance(s, list) else s for s in self.shape]
-        if -1 not in out:
-            return tuple(out)
-        # an unknown length copied by [i] cancels out of the sizes (Lasagne's rule)
+        from pytensor.graph.basic import Variable
+
+        def length(n: Any) -> Any:
+            return None if isinstance(n, Variable) else n
+
+        input_shape = [length(n) for n in input_shape]
+        out = [input_shape[s[0]] if isinstance(s, list) else length(s) for s in self.shape]
+        # an unknown length copied by [i] cancels out of the sizes once (Lasagne's rule)
         masked_in, masked_out = list(input_shape), list(out)
         for position, s in enumerate(self.shape):
-            if isinstance(s, list) and input_shape[s[0]] is None:
+            if isinstance(s, list) and masked_in[s[0]] is None:
                 masked_in[s[0]], masked_out[position] = 1, 1
-        known = [n for n in masked_out if n != -1]
-        unknown = None in masked_in or None in known
-        out[out.index(-1)] = None if unknown else int(np.prod(masked_in)) // int(np.prod(known))
+        known_out = [n for n in masked_out if n != -1]
+        if None in masked_in or None in known_out:
+            return tuple(None if n == -1 else n for n in out)
+        size_in, size_out = int(np.prod(masked_in)), int(np.prod(known_out))
+        if -1 in out:
+            if size_in % size_out:
+                raise ValueError(f"ReshapeLayer: the input shape {tuple(input_shape)} does not match the shape "
+                                 f"{self.shape} (its known sizes do not divide the input's size)")
+            out[out.index(-1)] = size_in // size_out
+        elif size_in != size_out:
+            raise ValueError(f"ReshapeLayer: the input shape {tuple(input_shape)} does not match the shape "
+                             f"{self.shape} (sizes {size_in} and {size_out})")
         return tuple(out)
 
     def get_output_for(self, input: Any, **kwargs: Any) -> Any:
