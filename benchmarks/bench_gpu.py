@@ -507,27 +507,35 @@ def main() -> None:
     if not runs:
         return
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        keys = [*(f"synk_{k}" for k in counts), *(f"ddp_{k}" for k in counts), "plain_1"]
-        for key in keys:
-            kind, k = key.split("_")
-            label = {"synk": "Synkhronos", "ddp": "PyTorch DDP", "plain": "PyTensor JAX alone"}[kind]
-            style = {"synk": "o-", "ddp": "s--", "plain": "x:"}[kind]
-            ax.plot(batches, [b / runs[key][b] for b in batches], style, label=f"{label}, {k} GPU")
-        ax.set_xlabel("global batch")
-        ax.set_ylabel("samples / s")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"MLP training throughput, {n}x {gpu_name()}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(OUT, "gpu_throughput.png"), dpi=120)
+        plot(runs, batches, counts, f"MLP training throughput, {n}x {gpu_name()}", os.path.join(OUT, "gpu_throughput.png"))
     except ImportError:
         print("matplotlib missing: no plot", file=sys.stderr)
+
+
+def plot(runs: dict[str, dict[int, float]], batches: list[int], counts: list[int], title: str, path: str) -> None:
+    """Samples per second over the global batch: every configuration of ``runs`` (seconds per step by
+    batch; a negative batch is the same batch submitted, for synk, or without the per-step sync, for
+    DDP), the submitted synk steps where measured.  Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in [*(f"synk_{k}" for k in counts), *(f"ddp_{k}" for k in counts), "plain_1"]:
+        kind, k = key.split("_")
+        label = {"synk": "Synkhronos", "ddp": "PyTorch DDP", "plain": "PyTensor JAX alone"}[kind]
+        style = {"synk": "o-", "ddp": "s--", "plain": "x:"}[kind]
+        ax.plot(batches, [b / runs[key][b] for b in batches], style, label=f"{label}, {k} GPU")
+        if kind == "synk" and all(-b in runs[key] for b in batches):
+            ax.plot(batches, [b / runs[key][-b] for b in batches], "^-", label=f"Synkhronos submitted, {k} GPU")
+    ax.set_xlabel("global batch")
+    ax.set_ylabel("samples / s")
+    ax.set_xscale("log", base=2)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
