@@ -507,7 +507,8 @@ def main() -> None:
     if not runs:
         return
     try:
-        plot(runs, batches, counts, f"MLP training throughput, {n}x {gpu_name()}", os.path.join(OUT, "gpu_throughput.png"))
+        title = f"MLP training throughput, {n}x {gpu_name()}"
+        plot(runs, batches, counts, title, os.path.join(OUT, "gpu_throughput.png"))
     except ImportError:
         print("matplotlib missing: no plot", file=sys.stderr)
 

@@ -17,11 +17,17 @@ import jax.numpy as jnp  # noqa: E402
 import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402
 from jax import lax  # noqa: E402
+from synk_testutil import USE_GPU  # noqa: E402
 
 import synkhronos as synk  # noqa: E402
-from synkhronos import precision  # noqa: E402
+from synkhronos import emulation, precision  # noqa: E402
 
 RTOL = 2e-2
+SPLIT_RTOL = 1e-2 if USE_GPU and not emulation.emulated_gpus() else 1e-4
+"""A group's bf16 step against the same step in one process: on the CPU the same roundings (only
+float32 sums change order); on GPUs cuBLAS's bfloat16 products of other shapes (each rank's share
+of the rows) round differently, to within bfloat16's precision (measured on H200: the loss 2.7e-4
+apart, parameters within 1e-3 of their largest)."""
 
 
 @pytest.fixture
@@ -203,9 +209,10 @@ def test_bf16_training_in_the_group_equals_one_process(ranks):
     values = [v.get_value() for v in state]
     assert all(v.dtype == np.float32 for v in values)  # parameters and velocities stay float32
     want_losses, want_values = _one_process("bf16", 2)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
+    np.testing.assert_allclose(losses, want_losses, rtol=SPLIT_RTOL)
     for got, want in zip(values, want_values):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+        atol = max(1e-6, SPLIT_RTOL * 0.2 * float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, rtol=SPLIT_RTOL, atol=atol)
     f32_losses, f32_values = _one_process("highest", 2)
     np.testing.assert_allclose(losses, f32_losses, rtol=RTOL)
     assert not np.array_equal(values[0], f32_values[0])  # the policy is in effect
