@@ -16,6 +16,8 @@ traceback), :class:`WorkerDiedError` (a worker process ended) or :class:`GroupBr
                                    ranks with different values of a replicated variable
 :class:`SplitError`                a PyMC model term that :func:`synkhronos.pymc.data_parallel`
                                    cannot split over the ranks exactly
+:class:`ChainStopped`              a PyMC chain of a batched ``pm.sample`` stopped because another
+                                   chain (or the group) failed; that failure is what the user sees
 =================================  ================================================================
 """
 
@@ -23,7 +25,8 @@ from __future__ import annotations
 
 from synk_comm import GroupBrokenError, WorkerDiedError, WorkerError  # noqa: F401 - the ranks' errors, here too
 
-__all__ = ["DivergentGradientError", "NotOneProgramError", "SelectionError", "ShapesDiffer", "SplitError"]
+__all__ = ["ChainStopped", "DivergentGradientError", "NotOneProgramError", "SelectionError", "ShapesDiffer",
+           "SplitError"]
 """This module's own exceptions (the ranks' errors, :mod:`synk_comm`'s, are imported here too)."""
 
 
@@ -56,3 +59,8 @@ class ShapesDiffer(ValueError):
 class SplitError(ValueError):
     """A PyMC model (or one of its likelihood terms) that :func:`synkhronos.pymc.data_parallel` cannot
     split over the ranks exactly; the message names the term.  Raised before anything runs."""
+
+
+class ChainStopped(RuntimeError):
+    """Raised in a chain's thread of a batched ``pm.sample`` (:mod:`synkhronos.pymc`) at its next
+    evaluation once another chain, or the group, failed; ``pm.sample`` then raises that failure."""

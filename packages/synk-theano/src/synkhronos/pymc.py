@@ -61,7 +61,7 @@ import numpy as np
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
-from synkhronos.errors import SplitError
+from synkhronos.errors import ChainStopped, SplitError
 
 __all__ = ["SplitError", "data_parallel"]
 
@@ -612,10 +612,6 @@ _LOCAL = threading.local()
 """A chain's thread: ``batcher`` (its :class:`_Batcher`) and ``slot`` (its slot in the batched calls)."""
 
 
-class _Stopped(RuntimeError):
-    """Raised in a chain's thread at its next evaluation once another chain (or the group) failed."""
-
-
 class _Request:
     """One chain's evaluation, waiting for its batch: ``done`` is set when ``result`` is there, or
     ``stopped`` (the chains are stopping)."""
@@ -651,13 +647,13 @@ class _Batcher:
         request = _Request(split, [np.array(v, copy=True) for v in values], with_grad)
         with self.lock:
             if self.error is not None:
-                raise _Stopped("another chain failed")
+                raise ChainStopped("another chain failed")
             self.waiting[slot] = request
             if len(self.waiting) >= len(self.live):
                 self.full.notify()
         request.done.wait()
         if request.stopped:
-            raise _Stopped("another chain failed")
+            raise ChainStopped("another chain failed")
         return request.result
 
     def run(self, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -672,7 +668,7 @@ class _Batcher:
             try:
                 results[slot] = tasks[slot]()
             except BaseException as exc:  # handed to the calling thread
-                if not isinstance(exc, _Stopped):
+                if not isinstance(exc, ChainStopped):
                     self._stop(exc)
             finally:
                 with self.lock:
