@@ -8,11 +8,9 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from lasagne_testutil import reference_conv
+from lasagne_testutil import FAST, reference_conv
 
 from synk_lasagne import layers
-
-FAST = {"mode": "FAST_COMPILE"}
 
 
 def transposed_reference(x, W, stride, crop, flip):

@@ -8,12 +8,10 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from lasagne_testutil import reference_conv, reference_pool
+from lasagne_testutil import FAST, reference_conv, reference_pool
 
 from synk_lasagne import init, layers, nonlinearities, objectives, regularization
 from synk_lasagne.random import set_rng
-
-FAST = {"mode": "FAST_COMPILE"}
 
 
 @pytest.fixture(autouse=True)

@@ -7,10 +7,9 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from lasagne_testutil import FAST
 
 from synk_lasagne import layers
-
-FAST = {"mode": "FAST_COMPILE"}
 
 
 def reference(x, W, channelwise, flip):

@@ -7,10 +7,9 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from lasagne_testutil import FAST
 
 from synk_lasagne import layers, nonlinearities
-
-FAST = {"mode": "FAST_COMPILE"}
 
 
 def lrn_reference(x, alpha, k, beta, n):

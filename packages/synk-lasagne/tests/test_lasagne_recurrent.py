@@ -8,11 +8,11 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from lasagne_testutil import FAST
 
 from synk_lasagne import layers, nonlinearities
 from synk_lasagne.random import set_rng
 
-FAST = {"mode": "FAST_COMPILE"}
 BATCH, STEPS, FEATURES, UNITS = 3, 4, 5, 2
 
 

@@ -7,11 +7,10 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from lasagne_testutil import FAST
 
 from synk_lasagne import layers, nonlinearities
 from synk_lasagne.layers.base import get_state_updates
-
-FAST = {"mode": "FAST_COMPILE"}
 
 
 def test_prelu_per_channel_values_and_gradient():

@@ -7,11 +7,10 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from lasagne_testutil import FAST
 
 from synk_lasagne import layers
 from synk_lasagne.layers.pool import pool_2d
-
-FAST = {"mode": "FAST_COMPILE"}
 
 
 def cells(n, d, implementation):
