@@ -148,10 +148,9 @@ def jax_available() -> bool:
     return True
 
 
-def plain_worker(args: argparse.Namespace) -> dict[str, float]:
-    """``{f"{precision} {batch}" and f"{precision} {batch} async": seconds per step}``: the fused
-    PyTensor JAX step, each precision set at run time (jit retraces under a new precision).
-    Without JAX (a dry run only): PyTensor's FAST_COMPILE mode, the same code otherwise."""
+def momentum_step(args: argparse.Namespace) -> tuple[Any, Any, Any, list[Any], list[Any], list[Any], list[Any]]:
+    """The plain step's graph in float32: ``(x, y, loss, params, velocities, updates, state)``, the
+    updates SGD with momentum 0.9 and learning rate 0.01, ``state`` batch norm's updates."""
     import pytensor
     import pytensor.tensor as pt
 
@@ -166,6 +165,16 @@ def plain_worker(args: argparse.Namespace) -> dict[str, float]:
     for p, g, v in zip(params, grads, velocities):
         new_v = np.float32(0.9) * v - np.float32(0.01) * g
         updates += [(v, new_v), (p, p + new_v)]
+    return x, y, loss, params, velocities, updates, state
+
+
+def plain_worker(args: argparse.Namespace) -> dict[str, float]:
+    """``{f"{precision} {batch}" and f"{precision} {batch} async": seconds per step}``: the fused
+    PyTensor JAX step, each precision set at run time (jit retraces under a new precision).
+    Without JAX (a dry run only): PyTensor's FAST_COMPILE mode, the same code otherwise."""
+    import pytensor
+
+    x, y, loss, params, velocities, updates, state = momentum_step(args)
     use_jax = jax_available()
     compiled: dict[str, Any] = {}
 

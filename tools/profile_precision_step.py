@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from bench_resnet import network, quiet, random_batch
+from bench_resnet import momentum_step, random_batch
 
 OUT = os.environ.get("OUT", "/tmp")
 
@@ -79,21 +79,10 @@ def build(args: argparse.Namespace, policy: str) -> tuple[Any, Spy, Any, Any]:
     """The step function (PyTensor), the spy on its jitted JAX function, and a batch on the device."""
     import jax
     import pytensor
-    import pytensor.tensor as pt
 
     from synkhronos import precision
 
-    quiet()
-    pytensor.config.floatX = "float32"
-    x = pt.tensor4("x", shape=(None, 3, args.image_size, args.image_size))
-    y = pt.ivector("y")
-    loss, params, state = network(args, x, y)
-    grads = pytensor.grad(loss, params)
-    velocities = [pytensor.shared(np.zeros_like(p.get_value()), shape=p.type.shape) for p in params]
-    updates = []
-    for p, g, v in zip(params, grads, velocities):
-        new_v = np.float32(0.9) * v - np.float32(0.01) * g
-        updates += [(v, new_v), (p, p + new_v)]
+    x, y, loss, params, velocities, updates, state = momentum_step(args)
     spies: list[Spy] = []
     real_jit = jax.jit
 
