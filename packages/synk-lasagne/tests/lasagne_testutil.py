@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
@@ -23,6 +24,21 @@ TIMEOUT = 120
 """Seconds for any test that runs several processes (pytest.mark.timeout)."""
 FAST = {"mode": "FAST_COMPILE"}
 """PyTensor mode of the test functions: compiles in a fraction of a second (the maths is the same)."""
+
+
+@pytest.fixture(autouse=True)
+def float64_and_seeded() -> Iterator[None]:
+    """For a module that imports it: floatX float64 and synk_lasagne's random generator seeded (0)
+    around each test."""
+    import pytensor
+
+    from synk_lasagne.random import set_rng
+
+    old = pytensor.config.floatX
+    pytensor.config.floatX = "float64"
+    set_rng(np.random.RandomState(0))
+    yield
+    pytensor.config.floatX = old
 
 COMM_TESTS = os.path.join(ROOT, "packages", "synk-comm", "tests")
 if COMM_TESTS not in sys.path:  # the process and /dev/shm helpers (comm_testutil)

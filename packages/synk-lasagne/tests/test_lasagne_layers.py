@@ -8,19 +8,9 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from lasagne_testutil import FAST, reference_conv, reference_pool
+from lasagne_testutil import FAST, float64_and_seeded, reference_conv, reference_pool  # noqa: F401 - autouse fixture
 
 from synk_lasagne import init, layers, nonlinearities, objectives, regularization
-from synk_lasagne.random import set_rng
-
-
-@pytest.fixture(autouse=True)
-def float64_and_seeded():
-    old = pytensor.config.floatX
-    pytensor.config.floatX = "float64"
-    set_rng(np.random.RandomState(0))
-    yield
-    pytensor.config.floatX = old
 
 
 def evaluate(net, x_value, **kwargs):

@@ -8,21 +8,12 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from lasagne_testutil import FAST
+from lasagne_testutil import FAST, float64_and_seeded  # noqa: F401 - autouse fixture
 
 from synk_lasagne import layers, nonlinearities
-from synk_lasagne.random import set_rng
 
 BATCH, STEPS, FEATURES, UNITS = 3, 4, 5, 2
 
-
-@pytest.fixture(autouse=True)
-def float64_and_seeded():
-    old = pytensor.config.floatX
-    pytensor.config.floatX = "float64"
-    set_rng(np.random.RandomState(0))
-    yield
-    pytensor.config.floatX = old
 
 
 def sigmoid(x):
