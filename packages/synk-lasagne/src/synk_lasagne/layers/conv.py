@@ -40,6 +40,15 @@ def conv_output_length(input_length: Any, filter_size: int, stride: int, pad: An
     return (length + stride - 1) // stride
 
 
+def _add_bias(layer: Layer, b: Any, untie_biases: bool) -> Any:
+    """A convolution layer's bias parameter (None for ``b=None``): one per filter, or with
+    ``untie_biases`` one per filter and output position."""
+    if b is None:
+        return None
+    shape = (layer.num_filters, *layer.output_shape[2:]) if untie_biases else (layer.num_filters,)
+    return layer.add_param(b, shape, name="b", regularizable=False)
+
+
 class Conv2DLayer(Layer):
     """``nonlinearity(conv2d(input, W) + b)`` over ``(batch, channels, rows, columns)`` input.
 
@@ -105,11 +114,7 @@ class Conv2DLayer(Layer):
         axes = (self.num_filters, channels // self.num_groups)
         self.W = self.add_param(W, (*(axes[::-1] if channels_first else axes), *filter_size[2 - filter_axes:]),
                                 name="W")
-        if b is None:
-            self.b = None
-        else:
-            shape = (self.num_filters, *self.output_shape[2:]) if untie_biases else (self.num_filters,)
-            self.b = self.add_param(b, shape, name="b", regularizable=False)
+        self.b = _add_bias(self, b, untie_biases)
 
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
         pads = resolve_pad(self.pad, self.filter_size, self.dilation)
@@ -352,11 +357,7 @@ class Conv3DLayer(Layer):
         self.untie_biases, self.flip_filters = untie_biases, flip_filters
         self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
         self.W = self.add_param(W, (self.num_filters, channels, *self.filter_size), name="W")
-        if b is None:
-            self.b = None
-        else:
-            shape = (self.num_filters, *self.output_shape[2:]) if untie_biases else (self.num_filters,)
-            self.b = self.add_param(b, shape, name="b", regularizable=False)
+        self.b = _add_bias(self, b, untie_biases)
 
     def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
         spatial = (_padded_length(n, k, s, (p, p)) for n, k, s, p in
