@@ -40,7 +40,7 @@ def conv_output_length(input_length: Any, filter_size: int, stride: int, pad: An
     return (length + stride - 1) // stride
 
 
-def _add_bias(layer: Layer, b: Any, untie_biases: bool) -> Any:
+def _add_bias(layer: Any, b: Any, untie_biases: bool) -> Any:
     """A convolution layer's bias parameter (None for ``b=None``): one per filter, or with
     ``untie_biases`` one per filter and output position."""
     if b is None:
