@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | resnet-inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-scaling | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | resnet-inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -88,6 +88,14 @@ if [ "$what" = all ] || [ "$what" = resnet ]; then
 fi
 if [ "$what" = all ] || [ "$what" = resnet-fp32 ]; then
   timeout 560 python3 benchmarks/bench_resnet.py --batches 64,128 --precisions fp32 2>&1 | tee "$OUT/bench_resnet_fp32.log" || status=1
+fi
+# ResNet-50 scaling on every GPU (1, 2, 4, 8 up to the machine's count) beside DDP at the same per-GPU batch and
+# precision, synchronous and submitted (2 in flight): BATCHES (default 128), PRECISIONS (default tf32,bf16); each row
+# compiles in about 20 s, so both precisions fit one call on 4 GPUs
+if [ "$what" = resnet-scaling ]; then
+  timeout 570 python3 benchmarks/bench_resnet.py --batches "${BATCHES:-128}" --precisions "${PRECISIONS:-tf32,bf16}" \
+    --skip plain --in-flight 2 2>&1 | grep -v "WatchTasksAsync\|GRPC error\|CANCELLED\|UNAVAILABLE\|Source Location\|grpc_util\|^$" \
+    | tee "$OUT/bench_resnet_scaling.log" || status=1
 fi
 # Mixed precision on ONE GPU (synkhronos.precision): ResNet-50 images/s in bf16 -- ours (precision="bf16"),
 # plain PyTensor JAX under the policy, torchvision AMP (NCHW, channels_last) and AMP + channels_last +
