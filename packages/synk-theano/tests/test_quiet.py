@@ -1,6 +1,7 @@
 """synkhronos.quiet: gloo's connection lines dropped from a process's stdout (everything else kept,
-partial lines too), and float32 work in JAX mode without requests for 64-bit dtypes (the same
-values, no JAX warning)."""
+partial lines too), the coordination service's blocks dropped from stderr while a worker leaves
+JAX's runtime (its other lines kept, and nothing filtered before or after), and float32 work in JAX
+mode without requests for 64-bit dtypes (the same values, no JAX warning)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,37 @@ def test_gloo_lines_are_dropped_and_everything_else_kept():
     out = subprocess.run([sys.executable, "-c", WRITER], capture_output=True, timeout=60, check=True).stdout
     assert out == (b"before\nuser line\n[Gloo] Rank 0 is NOT connected to: [1]\n"
                    b"progress 50% [Gloo] Rank 3 is not at the start of its line\nend without newline")
+
+
+BLOCK = (b"W1128 15:50:24.714234   46532 pjrt_client.cc:1605] WatchTasksAsync failed for task 0: CANCELLED: CANCELLED\n"
+         b"Additional GRPC error information from remote target coordination_service while calling "
+         b"/xla.coordination.CoordinationService/WatchTasks:\n"
+         b":CANCELLED:CANCELLED [type.googleapis.com/tensorflow.DerivedStatus='']\n"
+         b"=== Source Location Trace: ===\n"
+         b"external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89\n"
+         b"\n")
+
+LEAVER = r"""
+import os, sys
+from synkhronos.quiet import shutdown_runtime_quietly
+block = sys.stdin.buffer.read()
+os.write(2, b"before\n")
+def shutdown():
+    os.write(2, block[:40])  # a block written in pieces
+    os.write(2, block[40:] + b"W1128 other.cc:1] a warning that stays\n" + block)
+    os.write(2, b"Traceback (most recent call last):\n  the runtime's own error\n")
+    os.write(2, b"partial")
+    raise RuntimeError("the service is gone")
+shutdown_runtime_quietly(shutdown)
+os.write(2, b" and after\n" + block)
+"""
+
+
+def test_the_runtime_shutdown_blocks_are_dropped_and_everything_else_kept():
+    err = subprocess.run([sys.executable, "-c", LEAVER], input=BLOCK, capture_output=True, timeout=60,
+                         check=True).stderr
+    assert err == (b"before\nW1128 other.cc:1] a warning that stays\n"
+                   b"Traceback (most recent call last):\n  the runtime's own error\npartial and after\n" + BLOCK)
 
 
 def test_float32_work_requests_no_float64_from_jax():

@@ -18,6 +18,7 @@ launch unless ``SYNK_XLA_FLAGS`` replaces them (``SYNK_XLA_FLAGS=`` sets none):
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from typing import Any
@@ -85,4 +86,7 @@ def join(coordinator: str, num_processes: int, process_id: int, on_gpu: bool) ->
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
                                local_device_ids=[0], initialization_timeout=INIT_TIMEOUT_S,
                                heartbeat_timeout_seconds=HEARTBEAT_S)
+    from synkhronos.quiet import shutdown_runtime_quietly
+
+    atexit.register(shutdown_runtime_quietly)  # runs before JAX's own handler: the runtime's goodbye noise dropped
     return jax.local_devices()[0]
