@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | resnet | resnet-scaling | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | resnet-inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | quiet | resnet | resnet-scaling | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | resnet-inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -57,6 +57,14 @@ if [ "$what" = all ] || [ "$what" = mnist ]; then  # the main job on every GPU, 
     timeout 240 python3 examples/mnist/train_mnist.py --no-progress --pattern $pattern --plot "$OUT/mnist_gpu_$pattern.png" 2>&1 \
       | tee "$OUT/mnist_gpu_$pattern.log" || status=1
   done
+fi
+# What a user sees: the main job on every GPU (its defaults), stdout and stderr kept apart; every stderr
+# line is printed (the goal: none a user cannot act on)
+if [ "$what" = quiet ]; then
+  timeout 240 python3 examples/mnist/train_mnist.py --no-progress > "$OUT/quiet_stdout.log" 2> "$OUT/quiet_stderr.log" \
+    || status=1
+  echo "== stdout ($(wc -l < "$OUT/quiet_stdout.log") lines)"; cat "$OUT/quiet_stdout.log"
+  echo "== stderr ($(wc -l < "$OUT/quiet_stderr.log") lines)"; cat "$OUT/quiet_stderr.log"
 fi
 if [ "$what" = all ] || [ "$what" = engine ]; then  # the JAX engine: its GPU tests, then one GPU against plain
   timeout 240 python3 -m pytest -p no:cacheprovider -q -s packages/synk-theano/tests/test_synk_engine_gpu.py 2>&1 \
