@@ -1,7 +1,7 @@
 """synkhronos.quiet: gloo's connection lines dropped from a process's stdout (everything else kept,
-partial lines too), the coordination service's blocks dropped from stderr while a worker leaves
-JAX's runtime (its other lines kept, and nothing filtered before or after), and float32 work in JAX
-mode without requests for 64-bit dtypes (the same values, no JAX warning)."""
+partial lines too), the coordination client's blocks dropped from stderr once a worker leaves
+JAX's runtime, to the process's end (its other lines kept, nothing filtered before), and float32
+work in JAX mode without requests for 64-bit dtypes (the same values, no JAX warning)."""
 
 from __future__ import annotations
 
@@ -43,26 +43,26 @@ BLOCK = (b"W1128 15:50:24.714234   46532 pjrt_client.cc:1605] WatchTasksAsync fa
          b"\n")
 
 LEAVER = r"""
-import os, sys
+import atexit, os, sys
 from synkhronos.quiet import shutdown_runtime_quietly
 block = sys.stdin.buffer.read()
-os.write(2, b"before\n")
+os.write(2, b"before\n" + block)  # not filtered yet
 def shutdown():
     os.write(2, block[:40])  # a block written in pieces
     os.write(2, block[40:] + b"W1128 other.cc:1] a warning that stays\n" + block)
     os.write(2, b"Traceback (most recent call last):\n  the runtime's own error\n")
     os.write(2, b"partial")
     raise RuntimeError("the service is gone")
-shutdown_runtime_quietly(shutdown)
-os.write(2, b" and after\n" + block)
+atexit.register(lambda: os.write(2, b" line\n" + block + b"last words\n"))  # runs after the one below
+atexit.register(shutdown_runtime_quietly, shutdown)
 """
 
 
-def test_the_runtime_shutdown_blocks_are_dropped_and_everything_else_kept():
+def test_the_runtime_shutdown_blocks_are_dropped_until_the_end_and_everything_else_kept():
     err = subprocess.run([sys.executable, "-c", LEAVER], input=BLOCK, capture_output=True, timeout=60,
                          check=True).stderr
-    assert err == (b"before\nW1128 other.cc:1] a warning that stays\n"
-                   b"Traceback (most recent call last):\n  the runtime's own error\npartial and after\n" + BLOCK)
+    assert err == (b"before\n" + BLOCK + b"W1128 other.cc:1] a warning that stays\n"
+                   b"Traceback (most recent call last):\n  the runtime's own error\npartial line\nlast words\n")
 
 
 def test_float32_work_requests_no_float64_from_jax():

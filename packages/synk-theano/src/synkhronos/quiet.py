@@ -14,9 +14,10 @@
     could *not* connect stays.
 
 :func:`shutdown_runtime_quietly`
-    A GPU worker's JAX client polls the coordination service (``WatchTasks``); when the run ends,
-    the service (in worker 0) goes away before the other clients have disconnected, whatever the
-    order, and each of them logs, once a second until it is gone, a block like::
+    A GPU worker's JAX client watches the coordination service (``WatchTasks``); when the run ends,
+    the service (in worker 0) goes away while the other workers' clients still live, whatever the
+    order, and each of them logs, from native code and as late as the interpreter's finalisation,
+    blocks like::
 
         W1128 15:50:24.714234   46532 pjrt_client.cc:1605] WatchTasksAsync failed for task 0: CANCELLED
         Additional GRPC error information from remote target coordination_service while calling ...
@@ -24,9 +25,10 @@
         === Source Location Trace: ===
         external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89
 
-    The engine's workers leave the runtime at exit through this function, their file descriptor 2
-    passed through a filter that drops those blocks (up to the blank line that ends each) for the
-    time of the shutdown only: a worker's errors while it works reach the terminal unfiltered.
+    The engine's workers leave the runtime at exit through this function: from then until the
+    process ends, their file descriptor 2 writes to a filter process that drops those blocks (up to
+    the blank line that ends each) and forwards the rest.  A worker's errors while it works reach
+    the terminal unfiltered.
 
 :func:`request_canonical_dtypes`
     With ``floatX=float32`` JAX runs without 64-bit types (``jax_enable_x64`` off), and PyTensor's
@@ -43,100 +45,25 @@ import atexit
 import copy
 import logging
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from synkhronos import linefilter
+
 __all__ = ["drop_gloo_connect_lines", "request_canonical_dtypes", "shutdown_runtime_quietly"]
-
-GLOO_PREFIX = b"[Gloo] Rank "
-"""The start of gloo's lines dropped from standard output."""
-
-WATCH_FAILED = b"WatchTasksAsync failed"
-"""In the first line of the blocks dropped from standard error at the runtime's shutdown."""
-
-BLOCK_LINES = 8
-"""The most lines of one dropped block after its first (the blocks hold 5, then a blank line)."""
 
 _filter: threading.Thread | None = None
 log = logging.getLogger(__name__)
 
 
-class LineFilter:
-    """Which lines of a stream pass: every line but those :meth:`drop` names, and after a line that
-    :meth:`starts_block` names, the lines that follow it up to a blank one (at most
-    :data:`BLOCK_LINES`).  ``held(tail)``: whether a partial line waits for its end (it may still
-    become a dropped line) rather than pass at once (a progress bar, a prompt)."""
-
-    def __init__(self, drop: Callable[[bytes], bool], starts_block: Callable[[bytes], bool] | None = None,
-                 held: Callable[[bytes], bool] | None = None) -> None:
-        self.drop, self.starts_block = drop, starts_block
-        self.held = held or (lambda tail: False)
-        self._in_block = 0
-
-    def keep(self, line: bytes) -> bool:
-        """Whether ``line`` (without its newline) passes; called once per line, in order."""
-        if self._in_block:
-            self._in_block = 0 if not line.strip() else self._in_block - 1
-            return False
-        if self.starts_block is not None and self.starts_block(line):
-            self._in_block = BLOCK_LINES
-            return False
-        return not self.drop(line)
-
-    @property
-    def in_block(self) -> bool:
-        """Whether the lines that follow are dropped (a block has begun)."""
-        return self._in_block > 0
-
-
-def _gloo_filter() -> LineFilter:
-    """All but gloo's "connected" lines ("[Gloo] Rank r is NOT connected to: [...]" stays: it says
-    which ranks could not be reached)."""
-    return LineFilter(drop=lambda line: line.startswith(GLOO_PREFIX) and b" is connected to " in line,
-                      held=lambda tail: GLOO_PREFIX.startswith(tail[:len(GLOO_PREFIX)]) or tail.startswith(GLOO_PREFIX))
-
-
-def _shutdown_filter() -> LineFilter:
-    """All but the coordination service's ``WatchTasksAsync failed`` blocks; a partial line waits
-    only while it could be a log line's start (``W`` and the date)."""
-    return LineFilter(drop=lambda line: False, starts_block=lambda line: WATCH_FAILED in line,
-                      held=lambda tail: tail[:1] == b"W" or tail[:1] == b":" or tail.startswith(b"=== "))
-
-
-def _forward(read_fd: int, write_fd: int, lines: LineFilter) -> None:
-    """Copy ``read_fd`` to ``write_fd`` until end of file, the lines ``lines`` keeps only."""
-    tail = b""
-    while True:
-        try:
-            chunk = os.read(read_fd, 65536)
-        except OSError:
-            chunk = b""
-        if not chunk:
-            break
-        split = (tail + chunk).split(b"\n")
-        tail = split.pop()
-        out = b"".join(line + b"\n" for line in split if lines.keep(line))
-        if tail and not lines.in_block and not lines.held(tail):
-            out, tail = out + tail, b""  # a partial line that cannot be a dropped one: now
-        if out:
-            try:
-                os.write(write_fd, out)
-            except OSError:
-                pass
-    if tail and lines.keep(tail):
-        try:
-            os.write(write_fd, tail)
-        except OSError:
-            pass
-    os.close(read_fd)
-
-
 class _Redirect:
-    """File descriptor ``fd`` through a :class:`LineFilter` in a thread, until :meth:`restore`."""
+    """File descriptor ``fd`` through a :class:`~synkhronos.linefilter.LineFilter` in a thread,
+    until :meth:`restore`."""
 
-    def __init__(self, fd: int, lines: LineFilter, name: str) -> None:
+    def __init__(self, fd: int, lines: linefilter.LineFilter, name: str) -> None:
         self.fd = fd
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -147,7 +74,8 @@ class _Redirect:
         read_fd, write_fd = os.pipe()
         os.dup2(write_fd, fd)
         os.close(write_fd)
-        self.thread = threading.Thread(target=_forward, args=(read_fd, self.original, lines), daemon=True, name=name)
+        self.thread = threading.Thread(target=linefilter.forward, args=(read_fd, self.original, lines), daemon=True,
+                                       name=name)
         self.thread.start()
 
     def restore(self, timeout: float = 2.0) -> None:
@@ -169,7 +97,7 @@ def drop_gloo_connect_lines() -> None:
     global _filter
     if _filter is not None:
         return
-    redirect = _Redirect(1, _gloo_filter(), "synk-gloo-filter")
+    redirect = _Redirect(1, linefilter.gloo_filter(), "synk-gloo-filter")
     _filter = redirect.thread
     atexit.register(_restore, redirect)
 
@@ -182,20 +110,43 @@ def _restore(redirect: _Redirect) -> None:
 
 def shutdown_runtime_quietly(shutdown: Callable[[], Any] | None = None) -> None:
     """Leave JAX's multi-process runtime (``shutdown``: :func:`jax.distributed.shutdown` by default)
-    with standard error through the filter of :func:`_shutdown_filter` for that time only.  A worker
-    registers this at exit after joining: it runs before JAX's own exit handler, which then finds
+    with standard error, from now until the process ends, through a filter process that drops the
+    coordination client's ``WatchTasksAsync failed`` blocks (:func:`synkhronos.linefilter.shutdown_filter`):
+    its client logs them while the interpreter finalises, after every exit handler.  A worker registers
+    this at exit after joining the runtime: it runs before JAX's own exit handler, which then finds
     nothing to do."""
     if shutdown is None:
         import jax
 
         shutdown = jax.distributed.shutdown
-    redirect = _Redirect(2, _shutdown_filter(), "synk-shutdown-filter")
+    _filter_process(2, "shutdown")
     try:
         shutdown()
     except Exception as exc:  # the run is over (a peer gone first): nothing left to act on
         log.debug("leaving JAX's runtime at exit: %s", exc)
+
+
+def _filter_process(fd: int, kind: str) -> None:
+    """From now on, file descriptor ``fd`` writes to a filter process (``linefilter.py kind``) that
+    forwards to where ``fd`` wrote before, and ends once every writer is gone.  Without one (it
+    cannot start), ``fd`` stays as it is."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    read_fd, write_fd = os.pipe()
+    try:
+        subprocess.Popen([sys.executable, "-I", "-S", linefilter.__file__, kind], stdin=read_fd, stdout=fd,
+                         stderr=subprocess.DEVNULL)
+    except OSError as exc:
+        log.debug("no filter process for fd %d: %s", fd, exc)
+        os.close(write_fd)
+        return
     finally:
-        redirect.restore()
+        os.close(read_fd)
+    os.dup2(write_fd, fd)
+    os.close(write_fd)
 
 
 _DTYPE_ATTRS = {"CAReduce": ("acc_dtype", "dtype"), "MakeVector": ("dtype",)}

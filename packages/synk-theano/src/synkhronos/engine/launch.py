@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import warnings
 from typing import Any
 
 from synkhronos import emulation
@@ -80,6 +81,10 @@ def join(coordinator: str, num_processes: int, process_id: int, on_gpu: bool) ->
         drop_gloo_connect_lines()  # gloo's "[Gloo] Rank r is connected to ..." lines on stdout
     if pytensor.config.floatX == "float64":
         jax.config.update("jax_enable_x64", True)
+    else:  # float32 work computes 64-bit requests (int64 indices, float64 casts) in 32 bits, as documented
+        warnings.filterwarnings("ignore", message=r"Explicitly requested dtype \w+ requested in \w+ is not available")
+    # PyTensor's note, at every compilation of every worker, that JAX checks no Assert (the GPU guide says so)
+    warnings.filterwarnings("ignore", message=r"Skipping Assert")
     from synkhronos.quiet import request_canonical_dtypes
 
     request_canonical_dtypes()  # float32 work asks JAX for no float64
