@@ -505,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(runs) > 1:
         speedup = runs[1]["epoch_seconds"] / main_run["epoch_seconds"]
         cores = runs[1]["cores"]  # what the single process could run on (its own affinity)
-        print(f"speedup of {main_run['ranks']} {main_run['kind']} over one process on all {cores} cores (same "
+        single = "one process on one GPU" if main_run["gpus"] else f"one process on all {cores} cores"
+        print(f"speedup of {main_run['ranks']} {main_run['kind']} over {single} (same "
               f"backend, model and steps): {speedup:.2f}x (median training epoch {duration(runs[1]['epoch_seconds'])} "
               f"-> {duration(main_run['epoch_seconds'])})")
         if speedup > cores and not main_run["gpus"]:
