@@ -82,7 +82,8 @@ GRAPH_MODULES = [ROOT / "packages" / "synk-theano" / "tests" / name for name in 
 translation, the layers and their Ops -- run on every interpreter.  synk_shm and synk_comm know
 nothing of PyTensor; the process, data and failure modules, GPU mode's engine (whose machines run
 the newest Python), the jobs, the reliability and multi-host suites test processes rather than
-graphs: the newest interpreter alone runs them."""
+graphs: the newest interpreter alone runs them, as it runs the tests marked ``process`` (processes,
+cores, failures) in the graph modules."""
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
@@ -107,9 +108,9 @@ def tests(session: nox.Session) -> None:
     skip without 2 GPUs, the whole-job tests (marker ``job``) too, then the synkhronos and
     reliability suites again in GPU mode (the JAX engine) on JAX's CPU devices.  On the older
     interpreter, the parts that differ by PyTensor version (:data:`GRAPH_MODULES`, without the
-    jobs).  With both interpreters, the ``ranks`` fixtures fork groups of 2 on the newest and of 3
-    on the other (``SYNK_TEST_RANKS``), so that each group size runs once.  Arguments after ``--``
-    go to pytest, on every interpreter."""
+    jobs and the ``process`` tests).  With both interpreters, the ``ranks`` fixtures fork groups of
+    2 on the newest and of 3 on the other (``SYNK_TEST_RANKS``), so that each group size runs once.
+    Arguments after ``--`` go to pytest, on every interpreter."""
     # the digits data (MNIST job test); JAX, CPU mode's default backend and GPU mode's engine
     # (synk-theano[cpu])
     # Byte-compiled at install, as pip does and uv does not by default: under
@@ -128,7 +129,7 @@ def tests(session: nox.Session) -> None:
         if len(PYTHONS_HERE) > 1:  # the other interpreter's pass forks the groups of 3
             env["SYNK_TEST_RANKS"] = "2"
     else:
-        paths, select = [str(p) for p in GRAPH_MODULES], ["-m", "not job"]
+        paths, select = [str(p) for p in GRAPH_MODULES], ["-m", "not job and not process"]
         env["SYNK_TEST_RANKS"] = "3"  # the groups of 3 (uneven shares, more ranks than cores) run here
     # the slowest tests in every CI log, to see where CI's time goes
     session.run("pytest", "--durations=25", *select, *paths, *session.posargs, env=env)

@@ -157,6 +157,7 @@ def test_a_graph_of_in_graph_all_reduces_runs_them_in_program_or_in_the_default_
         np.testing.assert_allclose(synk.get_value(1, var), ref.get_value(), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.process
 @needs_in_program
 def test_ranks_pair_in_program_when_jax_copies_their_inputs_on_its_own_thread(default_backend_choice):
     """The main job's step in small: each call gathers 512 float32 rows of 64 a rank (128 KB)
@@ -184,6 +185,7 @@ def test_ranks_pair_in_program_when_jax_copies_their_inputs_on_its_own_thread(de
     np.testing.assert_allclose(synk.get_value(1, w), w.get_value())
 
 
+@pytest.mark.process
 @needs_jax
 @pytest.mark.parametrize("with_output", [False, True], ids=["updates only", "an output too"])
 def test_a_function_reads_its_data_before_the_call_returns(default_backend_choice, with_output):
@@ -219,6 +221,7 @@ def stalled_sum(fail_rank: int, seconds: float = 0.0) -> Any:
     return synk.function([x], outputs=(ops.all_reduce(Stall(seconds, fail_rank)(x).sum(), "sum"), "max"))
 
 
+@pytest.mark.process
 @needs_in_program
 def test_a_rank_that_fails_inside_its_program_stops_the_call_and_the_next_call_pairs_the_ranks_again(
         default_backend_choice):
@@ -237,6 +240,7 @@ def test_a_rank_that_fails_inside_its_program_stops_the_call_and_the_next_call_p
     assert getattr(f._replica.full(), "mode", None) == "JAX"
 
 
+@pytest.mark.process
 @needs_in_program
 def test_a_worker_killed_inside_its_program_fails_the_call_quickly(default_backend_choice):
     """The master waits in the all-reduce for a worker that is killed before it gets there: the wait
@@ -359,6 +363,7 @@ class _Fn:
         return self.call(*args)
 
 
+@pytest.mark.process
 @needs_two_cores
 def test_ranks_run_on_disjoint_cores_with_their_thread_pools_sized_to_them(default_backend_choice, monkeypatch):
     for var in cores.THREAD_VARS:
@@ -400,6 +405,7 @@ class AsyncDispatchOf(Op):
         output_storage[0][0] = np.array([float(xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value)])
 
 
+@pytest.mark.process
 @needs_jax
 @needs_two_cores
 @pytest.mark.parametrize("keep_async", [False, True])
@@ -427,6 +433,7 @@ def test_a_rank_on_one_core_computes_jax_calls_on_its_calling_thread(default_bac
     np.testing.assert_allclose(step(synk.data(xd), synk.data(yd)), expected, rtol=1e-6)
 
 
+@pytest.mark.process
 @needs_jax
 def test_a_rank_that_computes_inline_still_waits_for_its_values():
     """A call can return before its program has run even where JAX computes inline (JAX defers a
@@ -450,6 +457,7 @@ def test_a_rank_that_computes_inline_still_waits_for_its_values():
     assert [v.ready for v in values[1:]] == [True, True]
 
 
+@pytest.mark.process
 @needs_jax
 @pytest.mark.parametrize("case", ["fresh", "jax started", "kept async"])
 def test_compute_on_calling_thread_applies_only_before_jax_starts(case):
@@ -472,6 +480,7 @@ def test_compute_on_calling_thread_applies_only_before_jax_starts(case):
     assert out.stdout.split("\n")[0] == expected
 
 
+@pytest.mark.process
 @needs_two_cores
 def test_pinning_can_be_turned_off(default_backend_choice, monkeypatch):
     monkeypatch.setenv(cpu.PIN_ENV, "0")
@@ -482,6 +491,7 @@ def test_pinning_can_be_turned_off(default_backend_choice, monkeypatch):
     assert os.sched_getaffinity(pid) == before and "SYNK_CORES" not in worker_environ(pid)
 
 
+@pytest.mark.process
 def test_the_default_rank_rule(monkeypatch):
     monkeypatch.delenv(cpu.RANKS_ENV, raising=False)
     assert [cpu.default_ranks(c) for c in (1, 2, 3, 4, 5, 8, 16, 32, 64)] == [1, 2, 3, 4, 4, 4, 4, 8, 16]
@@ -492,12 +502,14 @@ def test_the_default_rank_rule(monkeypatch):
         cpu.default_ranks(16)
 
 
+@pytest.mark.process
 def test_fork_without_n_parallel_follows_synk_cpu_ranks(default_backend_choice, monkeypatch):
     monkeypatch.setenv(cpu.RANKS_ENV, "3")
     assert synk.fork(use_gpu=False) == 3
     assert len(worker_pids()) == 2
 
 
+@pytest.mark.process
 def test_split_gives_disjoint_even_runs():
     assert cores.split([0, 1, 2, 3, 4, 5, 6], 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert cores.split([4, 9], 2) == [[4], [9]]
@@ -505,6 +517,7 @@ def test_split_gives_disjoint_even_runs():
         cores.split([0, 1], 3)
 
 
+@pytest.mark.process
 def test_env_cores_reads_the_cores_a_worker_was_launched_with(monkeypatch):
     monkeypatch.setenv(cores.CORES_ENV, "3,5")
     assert cores.env_cores() == [3, 5]
@@ -514,6 +527,7 @@ def test_env_cores_reads_the_cores_a_worker_was_launched_with(monkeypatch):
     assert cores.env_cores() is None
 
 
+@pytest.mark.process
 def test_available_puts_a_physical_cores_hyperthreads_side_by_side(monkeypatch):
     # 8 logical CPUs, core c's two hyperthreads numbered c and c + 4 (as Linux often numbers them):
     # two ranks get two whole physical cores each, not the two halves of the same four
@@ -526,6 +540,7 @@ def test_available_puts_a_physical_cores_hyperthreads_side_by_side(monkeypatch):
     assert all(len(cores.physical_core(c)) == 2 for c in cores.available())
 
 
+@pytest.mark.process
 def test_without_jax_the_ranks_use_pytensors_default_mode(default_backend_choice, monkeypatch):
     """JAX not importable (simulated in the master, which decides for every rank): PyTensor's
     default mode everywhere, same results."""
@@ -543,6 +558,7 @@ def test_without_jax_the_ranks_use_pytensors_default_mode(default_backend_choice
     np.testing.assert_allclose(f(synk.data(xd), synk.data(yd)), reference(xd, yd), rtol=1e-12)
 
 
+@pytest.mark.process
 def test_the_users_mode_wins(default_backend_choice, monkeypatch):
     monkeypatch.setenv("PYTENSOR_FLAGS", os.environ["PYTENSOR_FLAGS"] + ",mode=FAST_COMPILE")
     assert cpu.user_mode() == "FAST_COMPILE" and cpu.choose_backend() == "pytensor"
@@ -556,6 +572,7 @@ def test_the_users_mode_wins(default_backend_choice, monkeypatch):
         np.testing.assert_allclose(f(synk.data(np.ones((4, 2)))), 8.0)
 
 
+@pytest.mark.process
 def test_a_bad_backend_name_is_an_error_that_says_what_to_use(monkeypatch):
     monkeypatch.setenv(cpu.BACKEND_ENV, "numba")
     with pytest.raises(ValueError, match="'jax' or 'pytensor'"):
