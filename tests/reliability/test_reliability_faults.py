@@ -101,16 +101,44 @@ def build_run(fault_file: str) -> Run:
     return run
 
 
+_spare: list[Run] = []
+"""The group that a test built to show that ``fork()`` works again after its fault, kept open: the
+next test's group (a fresh group either way; one fork fewer per fault)."""
+
+
+def _drop_spare() -> None:
+    """Close the kept group, if any; nothing of it may be left."""
+    if _spare:
+        r = _spare.pop()
+        synk.close()
+        r.X.free_memory()
+        rl.check_no_leak("worker processes of the kept group", rl.wait_gone(r.pids, 5.0))
+        rl.check_no_leak("/dev/shm entries of the kept group", rl.wait_no_entries(r.prefix, 2.0))
+
+
+@pytest.fixture(scope="module")
+def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The fault file of every group of the module (a group may serve the test after the one that
+    built it); the kept group goes at the module's end."""
+    yield str(tmp_path_factory.mktemp("faults") / "fault.json")
+    _drop_spare()
+
+
 @pytest.fixture
-def run(tmp_path, monkeypatch) -> Iterator[Run]:
-    """A fresh group whose workers read the fault file; afterwards nothing of it is left."""
-    fault_file = str(tmp_path / "fault.json")
+def run(fault_file, monkeypatch) -> Iterator[Run]:
+    """A fresh group whose workers read the fault file (nothing armed); afterwards nothing of it is
+    left."""
     monkeypatch.setenv(rl.FAULT_ENV, fault_file)
-    synk.close()
-    r = build_run(fault_file)
+    if os.path.exists(fault_file):
+        os.unlink(fault_file)
+    r = _spare.pop() if _spare else None
+    if r is None or r.group.closed:
+        synk.close()
+        r = build_run(fault_file)
     pids, prefix, X = r.pids, r.prefix, r.X
     yield r
-    synk.close()
+    if not _spare:  # the test kept no new group (which is now the current one)
+        synk.close()
     X.free_memory()
     del r, X
     gc.collect()
@@ -139,9 +167,7 @@ def assert_closed_then_fork_works(run: Run, after: str) -> None:
     rl.check_no_leak(f"workers after {after}", rl.wait_gone(run.pids, PROMISE_S))
     rl.check_no_leak(f"/dev/shm entries after {after}", rl.wait_no_entries(run.prefix, PROMISE_S))
     synk.close()
-    fresh = build_run(run.fault_file)
-    synk.close()
-    fresh.X.free_memory()
+    _spare.append(build_run(run.fault_file))  # a new group works; the next test's group
 
 
 def assert_stopped_group(run: Run, info: pytest.ExceptionInfo[synk.WorkerError], seconds: float,
@@ -364,6 +390,7 @@ def test_worker_killed_during_distribute(run, request):
 
 @pytest.fixture
 def comm() -> Iterator[synk_comm.Group]:
+    _drop_spare()
     group = synk_comm.start(3, imports=["reliability_lib"])
     pids = rl.group_worker_pids(group)
     yield group
@@ -406,6 +433,7 @@ def test_comm_worker_killed_in_a_loop_of_all_reduces(comm, request):
 @pytest.fixture
 def master(request) -> Iterator[rl.Script]:
     """``rel_master.py`` started in the mode the test names; afterwards nothing of its run is left."""
+    _drop_spare()
     mode, seconds = request.param
     script = rl.Script(MASTER, mode, str(seconds))
     try:
