@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     ref = results["fp32"]
     kinds = sorted({kind_of(n) for n in names})
-    print(f"ResNet-{args.depth}{' (softplus, average pooling)' if args.smooth else ''} width {args.width}, {args.image}x{args.image}, batch {args.batch}: relative "
+    smooth = " (softplus, average pooling)" if args.smooth else ""
+    print(f"ResNet-{args.depth}{smooth} width {args.width}, {args.image}x{args.image}, batch {args.batch}: relative "
           "gradient error |g - g_fp32| / |g_fp32| per kind of parameter, median / max over the parameters")
     print("| variant | loss rel. | " + " | ".join(kinds) + " | all (global) | cosine |")
     print("|---|---:|" + "---:|" * (len(kinds) + 2))
