@@ -133,8 +133,8 @@ if [ "$what" = precision ]; then
   fi
 fi
 # Mixed precision's accuracy, memory and profile in ONE call (under 9 minutes): ResNet-50's loss over 200 steps
-# and its GPU memory at batch 128 under strict float32, TF32 and bf16 (benchmarks/bench_precision.py --part
-# resnet: PASS/FAIL lines), where bf16's step time goes at batch 256 with XLA's memory analysis beside TF32's
+# and its GPU memory at batch 128 under strict float32, TF32 and bf16, beside strict float32 from a start moved
+# by one float32 ulp (the protocol's floor) (benchmarks/bench_precision.py --part resnet: bf16's PASS/FAIL lines), where bf16's step time goes at batch 256 with XLA's memory analysis beside TF32's
 # (tools/profile_precision_step.py); on 2+ GPUs the ResNet runs on the second GPU while the first is profiled,
 # then the MLP step with the gradient all-reduced in bfloat16 against float32 and DDP's bf16_compress_hook
 # (--part allreduce).  Logs: $OUT/precision_resnet.log, profile_bf16.log, precision_allreduce.log.

@@ -106,3 +106,73 @@ def test_bfloat16_gradient_all_reduce_stays_close_to_float32(group):
         assert got.dtype == want.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(np.abs(want).max()))
     assert not np.array_equal(values[0], want_values[0])  # the all-reduce really was in bfloat16
+
+
+U_BF16 = 2.0 ** -8
+"""bfloat16's unit roundoff: 8 significant bits, round to nearest."""
+U_F32 = 2.0 ** -24
+
+
+def _gamma(n: int) -> float:
+    """The bound of a float32 sum of ``n`` terms: ``|fl(sum) - sum| <= gamma_n sum|terms|``."""
+    return n * U_F32 / (1 - n * U_F32)
+
+
+def test_bf16_convolution_and_its_gradients_accumulate_in_float32():
+    """The convolution and its two gradients (the backward pass's transposed convolution and the
+    weight gradient, a sum over the batch and the image) under ``"bf16"``, each element against a
+    bound of its error.
+
+    Each Op is a sum of ``n`` products of its two operands.  Under the policy the operands are rounded
+    to bfloat16 (``a~``, ``b~``); their products are exact in float32 (8 + 8 significant bits); the
+    sum of float32 terms is within ``gamma_n * A`` of the exact sum ``e = sum a~ b~``, where
+    ``A = sum |a~ b~|`` and ``gamma_n = n 2^-24 / (1 - n 2^-24)``; the result, rounded to bfloat16,
+    moves by at most ``u |s|`` (``u = 2^-8``).  So ``|y - e| <= u |e| + (1 + u) gamma_n A``, where
+    ``e`` and ``A`` are computed in float64 by the Ops' numpy implementation on the rounded operands
+    (``A`` is the same Op on their absolute values).  An accumulator in bfloat16 would round every
+    partial sum by up to ``u`` of its size: on the weight gradient's ``n = 4096`` terms, ``gamma_n =
+    2^-12`` is 16x below ``u``, and the test checks that such a sum of one element's terms breaks the
+    bound.
+    """
+    import jax
+    import ml_dtypes
+    from pytensor.compile.mode import Mode
+
+    from synk_lasagne.conv import Conv2D, Conv2DGradInputs, Conv2DGradWeights
+    from synkhronos import precision
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((16, 8, 16, 16)).astype(np.float32)
+    w = (rng.standard_normal((8, 8, 3, 3)) / 8).astype(np.float32)
+    gz = rng.standard_normal((16, 8, 16, 16)).astype(np.float32)
+
+    def rounded(v):
+        return v.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    xr, wr, gr = rounded(x), rounded(w), rounded(gz)
+    cases = {  # op, its float32 inputs, its float64 inputs for e, for A; the terms of each sum
+        "forward": (Conv2D(1, "same"), (x, w), (xr, wr), (np.abs(xr), np.abs(wr)), 8 * 9),
+        "grad inputs": (Conv2DGradInputs(1, "same"), (x, w, gz), (xr, wr, gr), (xr, np.abs(wr), np.abs(gr)), 8 * 9),
+        "grad weights": (Conv2DGradWeights(1, "same"), (x, w, gz), (xr, wr, gr), (np.abs(xr), wr, np.abs(gr)),
+                         16 * 16 * 16),
+    }
+    exact_mode = Mode(linker="py", optimizer="fast_compile")  # the Ops' numpy perform
+    for name, (op, f32, f64, absolute, n) in cases.items():
+        with jax.enable_x64(False):
+            sym = [pt.tensor(dtype="float32", shape=v.shape) for v in f32]
+            got = pytensor.function(sym, op(*sym), mode=precision.jax_mode("JAX", "bf16"))(*f32)
+            strict = pytensor.function(sym, op(*sym), mode=precision.jax_mode("JAX", "highest"))(*f32)
+        sym64 = [pt.tensor(dtype="float64", shape=v.shape) for v in f64]
+        exact_fn = pytensor.function(sym64, op(*sym64), mode=exact_mode)
+        exact, total = exact_fn(*f64), exact_fn(*absolute)
+        bound = U_BF16 * np.abs(exact) + (1 + U_BF16) * _gamma(n) * total
+        assert got.dtype == np.float32 and got.shape == exact.shape, name
+        excess = np.abs(got - exact) - bound
+        assert excess.max() <= 0, f"{name}: {int((excess > 0).sum())} elements beyond the bound, by {excess.max():.3g}"
+        assert not np.array_equal(got, strict), name  # the policy is in effect
+    # the bound's power: one weight-gradient element summed in bfloat16 breaks it
+    xp = np.pad(xr, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    terms = (gr[:, 0] * xp[:, 0, :16, :16]).ravel()  # grad_w[0, 0, 0, 0] = sum gz[:, 0] * x_padded[:, 0]
+    in_bf16 = float(np.cumsum(terms.astype(ml_dtypes.bfloat16))[-1])
+    e, a = terms.sum(), np.abs(terms).sum()
+    assert abs(in_bf16 - e) > U_BF16 * abs(e) + (1 + U_BF16) * _gamma(terms.size) * a

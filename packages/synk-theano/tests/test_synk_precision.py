@@ -381,3 +381,39 @@ def test_bf16_trains_a_cnn_with_batch_norm(jax32):
     for tree in (p16, s16):
         assert all(np.asarray(v).dtype == np.float32 for v in tree.values())
     np.testing.assert_allclose(s16["var"], s32["var"], rtol=5e-2)
+
+
+def test_bf16_reductions_of_activations_sum_in_float32(jax32):
+    """``sum(relu(x @ w), axis=0)`` under ``"bf16"``: a batch's sum of bfloat16 activations (as a bias's
+    gradient, or batch norm's mean) against a bound of its error.
+
+    With ``u = 2^-8`` (bfloat16's unit roundoff) and ``gamma_n = n 2^-24 / (1 - n 2^-24)`` (a float32
+    sum of ``n`` terms): each activation ``z~`` is the bfloat16 rounding of a float32 sum of ``K = 64``
+    exact products of rounded operands, so ``|z~ - z| <= u |z| + (1 + u) gamma_K A`` (``z`` the exact
+    product of the rounded operands, ``A`` the sum of its terms' absolute values; ReLU does not widen a
+    difference); their float32 sum over ``n = 4096`` rows adds at most ``gamma_n sum |z~|``.  A sum in
+    bfloat16 instead stops growing once its partial sum is 2^8 times a term (here after about 500 of
+    the 4096 rows), far beyond the bound; the test checks that numpy's bfloat16 sum of the same values
+    breaks it.
+    """
+    import ml_dtypes
+
+    rng = np.random.default_rng(12)
+    n, k = 4096, 64
+    xv = rng.standard_normal((n, k)).astype(np.float32)
+    wv = (rng.standard_normal((k, 8)) / 8).astype(np.float32)
+    x, w = pt.fmatrix("x"), pt.fmatrix("w")
+    z = pt.maximum(x @ w, 0)
+    fn = pytensor.function([x, w], [z, pt.sum(z, axis=0)], mode=precision.jax_mode("JAX", "bf16"))
+    z_got, got = (np.asarray(v) for v in fn(xv, wv))
+    assert got.dtype == np.float32
+    xr, wr = (v.astype(ml_dtypes.bfloat16).astype(np.float64) for v in (xv, wv))
+    z_exact = np.maximum(xr @ wr, 0)
+    gamma = [m * 2.0 ** -24 / (1 - m * 2.0 ** -24) for m in (k, n)]
+    u = 2.0 ** -8
+    bound = (u * z_exact.sum(axis=0) + (1 + u) * gamma[0] * (np.abs(xr) @ np.abs(wr)).sum(axis=0)
+             + gamma[1] * np.abs(z_got).sum(axis=0))
+    exact = z_exact.sum(axis=0)
+    assert np.all(np.abs(got - exact) <= bound), (np.abs(got - exact) / bound).max()
+    in_bf16 = z_got.astype(ml_dtypes.bfloat16).sum(axis=0, dtype=ml_dtypes.bfloat16).astype(np.float64)
+    assert np.all(np.abs(in_bf16 - exact) > bound)  # the bound catches a bfloat16 sum (numpy's: in order)
