@@ -12,8 +12,9 @@ Fault injection
     ``{"where": ..., "rank": r, "action": "raise" | "kill"}``.  Rank ``r`` removes the file (a
     fault fires once) and raises :class:`InjectedFault`, or SIGKILLs itself.  ``where`` is a
     collective's name (``"all_reduce"``, ``"broadcast"``...), ``"all_reduce/1"`` (between the first
-    and the second variable of an all_reduce of several), ``"distribute"`` or ``"call"``; on the
-    engine, a collective program's kind (see below).
+    and the second variable of an all_reduce of several), ``"distribute"``, ``"compile"`` (a
+    worker compiling a graph that holds a :class:`Probe`) or ``"call"``; on the engine, a
+    collective program's kind (see below).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ if os.environ.get("SYNK_RANK") is not None and os.environ.get(FAULT_ENV):
 
 
 class Probe(Op):
-    """Identity (a copy); the injection point of ``"call"`` and ``"distribute"`` faults."""
+    """Identity (a copy); the injection point of ``"call"``, ``"compile"`` and ``"distribute"``
+    faults."""
 
     __props__ = ("label",)
 
@@ -131,6 +133,10 @@ class Probe(Op):
 
     def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
         output_storage[0][0] = self.compute(inputs[0])
+
+    def make_thunk(self, *args: Any, **kwargs: Any) -> Any:
+        fire("compile")  # PyTensor's own linkers make each node's thunk as they compile
+        return super().make_thunk(*args, **kwargs)
 
     def compute(self, x: np.ndarray) -> np.ndarray:
         fire("call")
@@ -201,6 +207,8 @@ def _register_jax() -> None:
         return
 
     def funcify(op: Any, node: Any, **kwargs: Any) -> Any:
+        if isinstance(op, Probe):
+            fire("compile")  # the JAX linker translates each node as it compiles
         out = node.outputs[0].type
 
         def fn(x: Any) -> Any:

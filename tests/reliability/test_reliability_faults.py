@@ -3,8 +3,8 @@
 * a worker that raises (in a function, a collective, a distribution) reaches the master as a
   ``WorkerError`` that names the rank and carries the worker's traceback; the group stays usable
   and the next call gives the right result;
-* a worker that dies (SIGKILL while idle, during a call, a collective or a distribution) makes the
-  operation fail with ``WorkerDiedError`` within 2 s; the group is closed, a new one works;
+* a worker that dies (SIGKILL while idle, during a call, a collective, a distribution or a
+  compilation) makes the operation fail with ``WorkerDiedError`` within 2 s; the group is closed, a new one works;
 * a master that dies (SIGKILL, SIGTERM) takes its workers with it within 2 s;
 * Ctrl-C (SIGINT) in the master during a long call raises KeyboardInterrupt within 2 s; caught,
   the next call of the same script is right; uncaught, the script exits within 2 s;
@@ -383,6 +383,21 @@ def test_worker_killed_during_distribute(run, request):
     with pytest.raises(synk.WorkerDiedError) as info:
         g(run.X)
     record(request, time.monotonic() - t0)
+    assert_dead_group(run, info)
+
+
+@pytest.mark.reliability("fault", SY)
+def test_worker_killed_while_compiling(run, request):
+    """Rank 1 dies while it compiles a new function (its first call): the call fails within 2 s;
+    the group is closed and a new one works."""
+    x = pt.matrix("x", dtype="float64")
+    g = synk.function([x], (pt.sum(ro.Probe("compiled")(x)) * 2.0, "sum"), mode=MODE)
+    run.arm("compile", "kill")
+    t0 = time.monotonic()
+    with pytest.raises(synk.WorkerDiedError) as info:
+        g(run.X)
+    record(request, time.monotonic() - t0)
+    assert not os.path.exists(run.fault_file), "the fault did not fire: rank 1 compiled no Probe"
     assert_dead_group(run, info)
 
 
