@@ -54,7 +54,8 @@ def test_batch_norm_uses_each_ranks_statistics(two_ranks):
     halves = [np.arange(4), np.arange(4, 8)]  # a batch of 8 rows splits 4 + 4, in order
     # the reference: each half on its own (its own batch statistics), in one process
     shard_mean = [x_value[h] for h in halves]
-    single = pytensor.function([x, y], loss_of(net, x, y), **FAST)
+    # (a plain function of the training loss advances the running averages, as in Lasagne: not this one)
+    single = pytensor.function([x, y], loss_of(net, x, y, batch_norm_update_averages=False), **FAST)
     conv_out = pytensor.function([x], layers.get_output(bn.input_layer, x), **FAST)
     expected_loss = np.mean([single(x_value[h], y_value[h]) for h in halves])
     expected_means = [0.1 * conv_out(s).mean(axis=(0, 2, 3)) for s in shard_mean]
@@ -69,3 +70,42 @@ def test_batch_norm_uses_each_ranks_statistics(two_ranks):
     averaged = synk.gather(bn.mean, nd_up=1)
     for rank in range(two_ranks):
         np.testing.assert_allclose(averaged[rank], np.mean(expected_means, axis=0), rtol=RTOL, atol=ATOL)
+
+
+def test_batch_norm_running_averages_in_lasagnes_idioms(two_ranks):
+    """Every way a Lasagne script builds its step advances each rank's running averages once, from
+    its own rows, as numpy's ``(1 - alpha) * running + alpha * batch_value`` says: the update rule
+    given the loss (after an evaluation function distributed the averages), a second training
+    graph built later, and a rule given gradients (the alias's default update, as in PyTensor)."""
+    alpha = 0.5
+    x = pt.matrix("x")
+    bn = layers.BatchNormLayer(layers.InputLayer((None, 3), x), alpha=alpha)
+    net = layers.DenseLayer(bn, 1)
+    params = layers.get_all_params(net, trainable=True)
+    rows = np.random.default_rng(7).normal(size=(3, 8, 3)) * 2 + 1  # three batches of 8 rows: 4 per rank
+    running = [(np.zeros(3), np.ones(3))] * two_ranks
+
+    def advance(batch):
+        shares = np.array_split(batch, two_ranks)
+        return [((1 - alpha) * m + alpha * s.mean(axis=0),
+                 (1 - alpha) * v + alpha / np.sqrt(s.var(axis=0) + bn.epsilon)) for (m, v), s in zip(running, shares)]
+
+    def assert_running(expected):
+        for got, want in zip((synk.gather(bn.mean, nd_up=1), synk.gather(bn.inv_std, nd_up=1)), zip(*expected)):
+            np.testing.assert_allclose(got, np.array(want), rtol=1e-10)
+
+    evaluate = synk.function([x], layers.get_output(net, deterministic=True), **FAST)
+    evaluate(synk.data(rows[0]))  # distributes the running averages before any training graph
+    loss = pt.mean(layers.get_output(net) ** 2)
+    synk.function([x], loss, updates=updates.sgd(loss, params, 0.0), **FAST)(synk.data(rows[0]))
+    running = advance(rows[0])
+    assert_running(running)
+    later = pt.mean(layers.get_output(net) ** 2)  # another training graph, distributed after training began
+    synk.function([x], later, updates=updates.sgd(later, params, 0.0), **FAST)(synk.data(rows[1]))
+    running = advance(rows[1])
+    assert_running(running)
+    grads = pt.mean(layers.get_output(net) ** 2)
+    step = updates.sgd(pytensor.grad(grads, params), params, 0.0)  # no state updates among them
+    synk.function([x], grads, updates=step, **FAST)(synk.data(rows[2]))
+    running = advance(rows[2])
+    assert_running(running)

@@ -98,21 +98,50 @@ class BatchNormLayer(Layer):
 
         use_averages = deterministic if batch_norm_use_averages is None else batch_norm_use_averages
         update_averages = (not deterministic) if batch_norm_update_averages is None else batch_norm_update_averages
-        if use_averages:
-            mean, inv_std = self.mean, self.inv_std
-        else:
-            mean = input.mean(self.axes)
-            inv_std = 1 / pt.sqrt(input.var(self.axes) + self.epsilon)
+        batch_mean = input.mean(self.axes)
+        batch_inv_std = 1 / pt.sqrt(input.var(self.axes) + self.epsilon)
+        mean, inv_std = (self.mean, self.inv_std) if use_averages else (batch_mean, batch_inv_std)
+        state: list[tuple[Any, Any]] = []
+        if update_averages:
+            stats = (self.mean, self.inv_std)
+            aliases = [_running_average(stat, value, self.alpha)
+                       for stat, value in zip(stats, (batch_mean, batch_inv_std))]
+            # the aliases in the graph, computing nothing: a plain function collects their updates
+            mean, inv_std = (v if alias is None else v + 0 * alias for v, alias in zip((mean, inv_std), aliases))
+            state = [(stat, alias.default_update) for stat, alias in zip(stats, aliases) if alias is not None]
         pattern = _broadcast_pattern(input.ndim, self.axes)
         gamma = 1 if self.gamma is None else self.gamma.dimshuffle(pattern)
         beta = 0 if self.beta is None else self.beta.dimshuffle(pattern)
         output = (input - mean.dimshuffle(pattern)) * (gamma * inv_std.dimshuffle(pattern)) + beta
-        if update_averages:
-            batch_mean = input.mean(self.axes)
-            batch_inv_std = 1 / pt.sqrt(input.var(self.axes) + self.epsilon)
-            add_state_updates(output, [(self.mean, (1 - self.alpha) * self.mean + self.alpha * batch_mean),
-                                       (self.inv_std, (1 - self.alpha) * self.inv_std + self.alpha * batch_inv_std)])
+        if state:
+            add_state_updates(output, state)
         return output
+
+
+def _running_average(stat: Any, batch_value: Any, alpha: float) -> Any:
+    """An alias of the running average ``stat`` (a shared variable on the same storage, as
+    ``SharedVariable.clone()`` makes) whose ``default_update`` is ``(1 - alpha) * stat + alpha *
+    batch_value``: Lasagne's way of making ``pytensor.function`` apply the update to any graph
+    that holds the alias.  None where ``stat`` is an expression, not a shared variable.
+
+    The alias, not ``stat``, carries the default update, so that a function of the evaluation
+    graph (which reads ``stat``) updates nothing.  The update reads the alias: a function given
+    it as an explicit update of ``stat`` too (:func:`get_state_updates`, an update rule given the
+    loss) computes it once.
+    """
+    import warnings
+
+    from pytensor.compile.sharedvalue import SharedVariable
+
+    if not isinstance(stat, SharedVariable):
+        return None
+    alias = stat.clone()
+    new = alias.type.filter_variable((1 - alpha) * alias + alpha * batch_value, allow_convert=True)
+    with warnings.catch_warnings():  # PyTensor 3.x deprecates setting it; pytensor.function still applies it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        alias.default_update = new
+    return alias
+
 
 def _broadcast_pattern(ndim: int, axes: Sequence[int]) -> list[Any]:
     """The dimshuffle pattern that puts a per-channel vector back among ``ndim`` axes."""
