@@ -11,7 +11,14 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from lasagne_cnn import N_ROWS, assert_momentum_steps_equal_the_single_process_steps, cnn, data, loss_of
+from lasagne_cnn import (
+    N_ROWS,
+    assert_batch_norm_idioms_advance_each_ranks_averages,
+    assert_momentum_steps_equal_the_single_process_steps,
+    cnn,
+    data,
+    loss_of,
+)
 from lasagne_testutil import FAST, TIMEOUT, assert_no_workers_left, own_entries
 
 import synkhronos as synk
@@ -73,39 +80,4 @@ def test_batch_norm_uses_each_ranks_statistics(two_ranks):
 
 
 def test_batch_norm_running_averages_in_lasagnes_idioms(two_ranks):
-    """Every way a Lasagne script builds its step advances each rank's running averages once, from
-    its own rows, as numpy's ``(1 - alpha) * running + alpha * batch_value`` says: the update rule
-    given the loss (after an evaluation function distributed the averages), a second training
-    graph built later, and a rule given gradients (the alias's default update, as in PyTensor)."""
-    alpha = 0.5
-    x = pt.matrix("x")
-    bn = layers.BatchNormLayer(layers.InputLayer((None, 3), x), alpha=alpha)
-    net = layers.DenseLayer(bn, 1)
-    params = layers.get_all_params(net, trainable=True)
-    rows = np.random.default_rng(7).normal(size=(3, 8, 3)) * 2 + 1  # three batches of 8 rows: 4 per rank
-    running = [(np.zeros(3), np.ones(3))] * two_ranks
-
-    def advance(batch):
-        shares = np.array_split(batch, two_ranks)
-        return [((1 - alpha) * m + alpha * s.mean(axis=0),
-                 (1 - alpha) * v + alpha / np.sqrt(s.var(axis=0) + bn.epsilon)) for (m, v), s in zip(running, shares)]
-
-    def assert_running(expected):
-        for got, want in zip((synk.gather(bn.mean, nd_up=1), synk.gather(bn.inv_std, nd_up=1)), zip(*expected)):
-            np.testing.assert_allclose(got, np.array(want), rtol=1e-10)
-
-    evaluate = synk.function([x], layers.get_output(net, deterministic=True), **FAST)
-    evaluate(synk.data(rows[0]))  # distributes the running averages before any training graph
-    loss = pt.mean(layers.get_output(net) ** 2)
-    synk.function([x], loss, updates=updates.sgd(loss, params, 0.0), **FAST)(synk.data(rows[0]))
-    running = advance(rows[0])
-    assert_running(running)
-    later = pt.mean(layers.get_output(net) ** 2)  # another training graph, distributed after training began
-    synk.function([x], later, updates=updates.sgd(later, params, 0.0), **FAST)(synk.data(rows[1]))
-    running = advance(rows[1])
-    assert_running(running)
-    grads = pt.mean(layers.get_output(net) ** 2)
-    step = updates.sgd(pytensor.grad(grads, params), params, 0.0)  # no state updates among them
-    synk.function([x], grads, updates=step, **FAST)(synk.data(rows[2]))
-    running = advance(rows[2])
-    assert_running(running)
+    assert_batch_norm_idioms_advance_each_ranks_averages(two_ranks, FAST)
