@@ -1,7 +1,8 @@
-"""Batch norm's running averages as Lasagne applies them (one process, against numpy): a plain
-``pytensor.function`` (or ``.eval()``) of a training-mode output advances them with no updates
-given, an evaluation-mode output does not, and a function also given them explicitly (an update
-rule given the loss, :func:`synk_lasagne.layers.get_state_updates`) advances them once.
+"""Layer state as Lasagne advances it (one process, against numpy): a plain ``pytensor.function``
+(or ``.eval()``) of a training-mode output advances batch norm's running averages and dropout's
+random generator with no updates given, an evaluation-mode output does not, and a function also
+given them explicitly (an update rule given the loss, :func:`synk_lasagne.layers.get_state_updates`)
+advances them once.
 
 Lasagne's maths: ``running := (1 - alpha) * running + alpha * batch_value`` for the mean and for
 ``inv_std = 1 / sqrt(var + epsilon)``, the batch statistics over every axis but the second.
@@ -15,6 +16,7 @@ import pytensor.tensor as pt
 from lasagne_testutil import FAST, float64_and_seeded  # noqa: F401 - autouse fixture
 
 from synk_lasagne import layers, updates
+from synk_lasagne.random import set_rng
 
 ALPHA = 0.25
 
@@ -100,3 +102,23 @@ def test_use_averages_and_update_them_in_one_graph():
                           **FAST)
     np.testing.assert_allclose(f(x), (x - mean[:, None]) * inv_std[:, None], rtol=1e-12)
     assert_values(bn, advanced(start, x, bn.epsilon))
+
+
+def test_dropout_draws_a_new_mask_at_each_call_and_advances_once():
+    """Two dropout layers of one seed: the plain function (no updates given) and the function
+    given the state updates as well draw the same masks, call after call -- a new one each time."""
+    x = np.ones((4, 50))
+
+    def masks(explicit: bool) -> list[np.ndarray]:
+        set_rng(np.random.RandomState(5))
+        drop = layers.DropoutLayer(layers.InputLayer((None, 50)), p=0.5)
+        out = layers.get_output(drop)
+        given = layers.get_state_updates(out) if explicit else []
+        f = pytensor.function([drop.input_layer.input_var], out, updates=given, **FAST)
+        return [f(x) for _ in range(3)]
+
+    plain, explicit = masks(False), masks(True)
+    for a, b in zip(plain, explicit):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(plain[0], plain[1]) and not np.array_equal(plain[1], plain[2])
+    assert set(np.unique(plain[0])) == {0.0, 2.0}
