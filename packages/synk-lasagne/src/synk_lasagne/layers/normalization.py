@@ -54,7 +54,7 @@ class BatchNormLayer(Layer):
     alpha : float
         The weight of each new batch in the running averages.
     beta, gamma : initialiser, array, shared variable or None
-        Shift and scale (trainable, not regularizable); None: none.
+        Shift and scale (trainable; ``gamma`` regularizable, ``beta`` not, as in Lasagne); None: none.
     mean, inv_std : initialiser, array or shared variable
         The running averages (not trainable).
     """
@@ -77,7 +77,7 @@ class BatchNormLayer(Layer):
         self.beta = None if beta is None else self.add_param(beta, shape, "beta", trainable=True,
                                                              regularizable=False)
         self.gamma = None if gamma is None else self.add_param(gamma, shape, "gamma", trainable=True,
-                                                               regularizable=False)
+                                                               regularizable=True)  # as Lasagne's
         self.mean = self.add_param(mean, shape, "mean", trainable=False, regularizable=False, batch_norm_stat=True)
         self.inv_std = self.add_param(inv_std, shape, "inv_std", trainable=False, regularizable=False,
                                       batch_norm_stat=True)
