@@ -577,6 +577,7 @@ def _fold_storage_aliases(outs: list[Any], pairs: list[tuple[Any, Any]], update_
         If two updates target one storage.
     """
     from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.graph.basic import Variable
 
     try:
         from pytensor.graph.traversal import ancestors
@@ -592,7 +593,8 @@ def _fold_storage_aliases(outs: list[Any], pairs: list[tuple[Any, Any]], update_
         raise ValueError("two updates target one shared variable (or aliases of one, made by SharedVariable.clone()): "
                          "give each variable one update")
     replaced = {v for v, _ in given_pairs}
-    for var in list(ancestors([*outs, *(e for _, e in pairs), *(g for _, g in given_pairs)])):
+    roots = [v for v in [*outs, *(e for _, e in pairs), *(g for _, g in given_pairs)] if isinstance(v, Variable)]
+    for var in list(ancestors(roots)):
         if not isinstance(var, SharedVariable) or var in replaced:
             continue
         twin = owner.setdefault(id(var.container), var)
