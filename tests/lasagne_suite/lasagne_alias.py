@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -27,9 +28,28 @@ RENAMES = {
 """Module names of the suite -> the modules they are; a name not listed renames its first part."""
 
 THEANO_NAMES = {
-    "Variable": ("pytensor.graph.basic", "Variable"),
+    "Variable": ("lasagne_alias", "TheanoVariable"),
 }
 """Names of Theano's top-level module -> where PyTensor has them (the rest: ``pytensor``'s own)."""
+
+
+@functools.cache
+def _variable_class() -> type:
+    from pytensor.graph.basic import Variable
+
+    class TheanoVariable(Variable):  # type: ignore[misc]
+        """PyTensor's ``Variable`` with Theano's signature: ``owner`` defaults to None."""
+
+        def __init__(self, type: Any, owner: Any = None, index: int | None = None, name: str | None = None) -> None:
+            super().__init__(type, owner, index, name)
+
+    return TheanoVariable
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TheanoVariable":  # made on first use: the plugin imports PyTensor only when the suite does
+        return _variable_class()
+    raise AttributeError(name)
 
 
 def _is_same_graph(var1: Any, var2: Any, givens: Any = None) -> bool:

@@ -1,7 +1,8 @@
 """The small CNN of the data-parallel CNN tests (CPU ranks in ``test_lasagne_cnn_parallel.py``, GPUs
 in ``test_lasagne_gpu.py``) and the check that both make: every momentum step of the data-parallel
 training equals the single-process step on the whole batch (a second CNN with the same initial
-values, its loss and gradients in one PyTensor function, the update in numpy)."""
+values, its loss and gradients in one PyTensor function, the update in numpy).  And the check that
+every way a Lasagne script builds its step advances each rank's batch-norm running averages."""
 
 from __future__ import annotations
 
@@ -74,3 +75,42 @@ def assert_momentum_steps_equal_the_single_process_steps(ranks: int, order: Sequ
             for rank in range(ranks):
                 np.testing.assert_allclose(np.asarray(gathered[rank]), ref.get_value(), rtol=rtol, atol=atol,
                                            err_msg=f"{p.name} in rank {rank} after step {step}")
+
+
+def assert_batch_norm_idioms_advance_each_ranks_averages(n_ranks: int, function_kwargs: dict[str, Any]) -> None:
+    """Every way a Lasagne script builds its step advances each rank's running averages once, from
+    its own rows, as numpy's ``(1 - alpha) * running + alpha * batch_value`` says: the update rule
+    given the loss (after an evaluation function distributed the averages), a second training
+    graph built later, and a rule given gradients (the alias's default update, as in PyTensor)."""
+    alpha = 0.5
+    x = pt.matrix("x")
+    bn = layers.BatchNormLayer(layers.InputLayer((None, 3), x), alpha=alpha)
+    net = layers.DenseLayer(bn, 1)
+    params = layers.get_all_params(net, trainable=True)
+    rows = np.random.default_rng(7).normal(size=(3, 8, 3)) * 2 + 1  # three batches of 8 rows: 4 per rank
+    running = [(np.zeros(3), np.ones(3))] * n_ranks
+
+    def advance(batch):
+        shares = np.array_split(batch, n_ranks)
+        return [((1 - alpha) * m + alpha * s.mean(axis=0),
+                 (1 - alpha) * v + alpha / np.sqrt(s.var(axis=0) + bn.epsilon)) for (m, v), s in zip(running, shares)]
+
+    def assert_running(expected):
+        for got, want in zip((synk.gather(bn.mean, nd_up=1), synk.gather(bn.inv_std, nd_up=1)), zip(*expected)):
+            np.testing.assert_allclose(got, np.array(want), rtol=1e-10)
+
+    evaluate = synk.function([x], layers.get_output(net, deterministic=True), **function_kwargs)
+    evaluate(synk.data(rows[0]))  # distributes the running averages before any training graph
+    loss = pt.mean(layers.get_output(net) ** 2)
+    synk.function([x], loss, updates=updates.sgd(loss, params, 0.0), **function_kwargs)(synk.data(rows[0]))
+    running = advance(rows[0])
+    assert_running(running)
+    later = pt.mean(layers.get_output(net) ** 2)  # another training graph, distributed after training began
+    synk.function([x], later, updates=updates.sgd(later, params, 0.0), **function_kwargs)(synk.data(rows[1]))
+    running = advance(rows[1])
+    assert_running(running)
+    grads = pt.mean(layers.get_output(net) ** 2)
+    step = updates.sgd(pytensor.grad(grads, params), params, 0.0)  # no state updates among them
+    synk.function([x], grads, updates=step, **function_kwargs)(synk.data(rows[2]))
+    running = advance(rows[2])
+    assert_running(running)

@@ -11,7 +11,14 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from lasagne_cnn import N_ROWS, assert_momentum_steps_equal_the_single_process_steps, cnn, data, loss_of
+from lasagne_cnn import (
+    N_ROWS,
+    assert_batch_norm_idioms_advance_each_ranks_averages,
+    assert_momentum_steps_equal_the_single_process_steps,
+    cnn,
+    data,
+    loss_of,
+)
 from lasagne_testutil import FAST, TIMEOUT, assert_no_workers_left, own_entries
 
 import synkhronos as synk
@@ -54,7 +61,8 @@ def test_batch_norm_uses_each_ranks_statistics(two_ranks):
     halves = [np.arange(4), np.arange(4, 8)]  # a batch of 8 rows splits 4 + 4, in order
     # the reference: each half on its own (its own batch statistics), in one process
     shard_mean = [x_value[h] for h in halves]
-    single = pytensor.function([x, y], loss_of(net, x, y), **FAST)
+    # (a plain function of the training loss advances the running averages, as in Lasagne: not this one)
+    single = pytensor.function([x, y], loss_of(net, x, y, batch_norm_update_averages=False), **FAST)
     conv_out = pytensor.function([x], layers.get_output(bn.input_layer, x), **FAST)
     expected_loss = np.mean([single(x_value[h], y_value[h]) for h in halves])
     expected_means = [0.1 * conv_out(s).mean(axis=(0, 2, 3)) for s in shard_mean]
@@ -69,3 +77,7 @@ def test_batch_norm_uses_each_ranks_statistics(two_ranks):
     averaged = synk.gather(bn.mean, nd_up=1)
     for rank in range(two_ranks):
         np.testing.assert_allclose(averaged[rank], np.mean(expected_means, axis=0), rtol=RTOL, atol=ATOL)
+
+
+def test_batch_norm_running_averages_in_lasagnes_idioms(two_ranks):
+    assert_batch_norm_idioms_advance_each_ranks_averages(two_ranks, FAST)

@@ -97,3 +97,11 @@ def test_the_engines_step_all_reduces_each_parameter_on_its_own(engine):
     reduces = {v.owner for v in ancestors(exprs) if v.owner is not None and isinstance(v.owner.op, AllReduce)}
     assert len(reduces) == len(params) + 1
     assert all(node.op.op == "sum" and node.inputs[0].ndim == 1 for node in reduces)
+
+
+def test_batch_norm_running_averages_in_lasagnes_idioms_under_the_engine(engine):
+    """The running averages' alias (its default update) in one JAX program per call: each rank's
+    averages advance once, from its own rows (:mod:`lasagne_cnn`)."""
+    from lasagne_cnn import assert_batch_norm_idioms_advance_each_ranks_averages
+
+    assert_batch_norm_idioms_advance_each_ranks_averages(engine, {})

@@ -137,7 +137,7 @@ def test_parameters_tags_counts_and_values():
     every = layers.get_all_params(out)
     trainable = layers.get_all_params(out, trainable=True)
     assert len(every) == 7 and len(trainable) == 5  # W, beta, gamma, W, b; mean and inv_std are not trained
-    assert layers.get_all_params(out, regularizable=True) == [bn.input_layer.W, out.W]
+    assert layers.get_all_params(out, regularizable=True) == [bn.input_layer.W, bn.gamma, out.W]  # as Lasagne
     assert layers.count_params(out) == 27 + 4 * 3 + 48 * 2 + 2
     assert layers.count_params(out, trainable=True) == 27 + 2 * 3 + 48 * 2 + 2
     values = layers.get_all_param_values(out)

@@ -559,6 +559,56 @@ class Function:
         return made[0] if len(made) == 1 else made
 
 
+def _fold_storage_aliases(outs: list[Any], pairs: list[tuple[Any, Any]], update_ops: list[str],
+                          given_pairs: list[tuple[Any, Any]], sliceable: list[Any], rt: Runtime) -> None:
+    """Make the shared variables of a function that share one storage one variable (in place).
+
+    ``SharedVariable.clone()`` makes an alias: another variable on the same container.  Lasagne's
+    batch norm reads its running averages through such an alias, which carries their
+    ``default_update``.  The workers hold each distributed variable's own value, so an alias
+    becomes (in ``givens``, and as an update's target) the variable of its storage that the
+    function slices, that is distributed already, that the function updates, or else the first
+    met; the alias's ``default_update`` becomes that variable's update where it has none (PyTensor
+    applies a default update only where no update is given).
+
+    Raises
+    ------
+    ValueError
+        If two updates target one storage.
+    """
+    from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.graph.basic import Variable
+
+    try:
+        from pytensor.graph.traversal import ancestors
+    except ImportError:  # PyTensor before 3.3
+        from pytensor.graph.basic import ancestors  # type: ignore[no-redef]
+
+    owner: dict[int, Any] = {}
+    for var in [*sliceable, *rt.shared_ids]:
+        owner.setdefault(id(var.container), var)
+    pairs[:] = [(owner.setdefault(id(var.container), var), expr) for var, expr in pairs]
+    updated = {id(var) for var, _ in pairs}
+    if len(updated) < len(pairs):
+        raise ValueError("two updates target one shared variable (or aliases of one, made by SharedVariable.clone()): "
+                         "give each variable one update")
+    replaced = {v for v, _ in given_pairs}
+    roots = [v for v in [*outs, *(e for _, e in pairs), *(g for _, g in given_pairs)] if isinstance(v, Variable)]
+    for var in list(ancestors(roots)):
+        if not isinstance(var, SharedVariable) or var in replaced:
+            continue
+        twin = owner.setdefault(id(var.container), var)
+        if twin is var:
+            continue
+        given_pairs.append((var, twin))
+        replaced.add(var)
+        if var.default_update is not None and id(twin) not in updated:
+            more, ops = parse_updates([(twin, var.default_update)])
+            pairs += more
+            update_ops += ops
+            updated.add(id(twin))
+
+
 def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[Any] | None = None,
              updates: Any = None, givens: Any = None, sliceable_shareds: Sequence[Any] | None = None,
              precision: str | None = None, **kwargs: Any) -> Function:
@@ -641,6 +691,7 @@ def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[
     policy = precisions.check(rt.precision if precision is None else precision)
     precisions.check_backend(policy, rt.device, kwargs.get("mode"))
     name = kwargs.pop("name", None)
+    _fold_storage_aliases(outs, pairs, update_ops, given_pairs, sliceable, rt)
     spec = FunctionSpec(fid=data_registry.next_function_id(rt), name=name, inputs=inputs, bcast_inputs=bcast,
                         outputs=outs, output_ops=output_ops, single_output=single, updates=pairs,
                         update_ops=update_ops, givens=given_pairs, sliceable=sliceable, kwargs=kwargs,

@@ -168,22 +168,30 @@ class Replica:
 
     def _compile_per_slice(self, subset: Subset, extra_inputs: list[Any], stand_ins: list[Any]) -> Any:
         """``inputs + bcast_inputs + extra_inputs -> outputs + update values``, each sliceable
-        variable replaced by its stand-in (an expression of ``extra_inputs``)."""
+        variable replaced by its stand-in (an expression of ``extra_inputs``).  The updated
+        variables' ``default_update`` (a generator's next state) stays out: their values are outputs."""
         spec = self.spec
         outputs = self.output_variables(subset) + [e for _, e in spec.updates]
         return self._compile([*spec.all_inputs, *extra_inputs], outputs, [],
-                             [*spec.givens, *zip(spec.sliceable, stand_ins)], subset)
+                             [*spec.givens, *zip(spec.sliceable, stand_ins)], subset,
+                             no_default_updates=[v for v, _ in spec.updates])
 
     def _compile(self, inputs: list[Any], outputs: list[Any], updates: list[Any], givens: list[Any],
-                 subset: Subset) -> Any:
+                 subset: Subset, no_default_updates: list[Any] | None = None) -> Any:
+        import warnings
+
         import pytensor
 
         from synkhronos import precision
 
         def build(**kwargs: Any) -> Any:
             kwargs = precision.compile_kwargs(self.spec.precision, kwargs, self.device)  # the policy's one hook
-            return pytensor.function(inputs, outputs, updates=updates, givens=givens or None, name=self.spec.name,
-                                     **kwargs)
+            if no_default_updates:
+                kwargs["no_default_updates"] = no_default_updates
+            with warnings.catch_warnings():  # PyTensor 3.3 deprecates no_default_updates (not yet removed)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return pytensor.function(inputs, outputs, updates=updates, givens=givens or None,
+                                         name=self.spec.name, **kwargs)
 
         t0 = time.perf_counter()
         from synkhronos.ops import in_program_collectives

@@ -35,8 +35,8 @@ special                         :class:`NonlinearityLayer`, :class:`ExpressionLa
                                 :class:`RandomizedRectifierLayer` (:func:`rrelu`), :class:`InverseLayer`,
                                 :class:`TransformerLayer`, :class:`TPSTransformerLayer`
 state updates                   :func:`get_state_updates` (batch norm's running averages, dropout's
-                                generators: what a training function must apply),
-                                :func:`add_state_updates`
+                                generators: what a training function applies),
+                                :func:`add_state_updates`, :func:`state_alias`, :func:`draw_generator`
 helpers                         :func:`get_output`, :func:`get_output_shape`, :func:`get_all_layers`,
                                 :func:`get_all_params`, :func:`count_params`,
                                 :func:`get_all_param_values`, :func:`set_all_param_values`
@@ -56,7 +56,14 @@ Example
 >>> probabilities = layers.get_output(net, deterministic=True)
 """
 
-from synk_lasagne.layers.base import Layer, MergeLayer, add_state_updates, get_state_updates
+from synk_lasagne.layers.base import (
+    Layer,
+    MergeLayer,
+    add_state_updates,
+    draw_generator,
+    get_state_updates,
+    state_alias,
+)
 from synk_lasagne.layers.conv import (
     Conv1DLayer,
     Conv2DLayer,
@@ -157,7 +164,8 @@ __all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DL
            "SpatialPyramidPoolingLayer", "StandardizationLayer", "TPSTransformerLayer", "TransformerLayer",
            "TransposedConv2DLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates",
            "autocrop", "autocrop_array_shapes", "average_running_statistics", "batch_norm", "concat", "count_params",
-           "dimshuffle", "dropout", "dropout_channels", "dropout_locations", "flatten", "get_all_layers",
+           "dimshuffle", "draw_generator", "dropout", "dropout_channels", "dropout_locations", "flatten",
+           "get_all_layers",
            "get_all_param_values", "get_all_params", "get_output", "get_output_shape", "get_running_statistics",
            "get_state_updates", "instance_norm", "layer_norm", "pad", "prelu", "reshape", "rrelu",
-           "set_all_param_values", "spatial_dropout", "standardize"]
+           "set_all_param_values", "spatial_dropout", "standardize", "state_alias"]

@@ -12,7 +12,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Layer", "MergeLayer", "add_state_updates", "create_param", "get_state_updates"]
+__all__ = ["Layer", "MergeLayer", "add_state_updates", "create_param", "draw_generator", "get_state_updates",
+           "state_alias"]
 
 Shape = tuple[Any, ...]
 """A layer's shape: ints, and None for lengths not known before a call (the batch)."""
@@ -29,14 +30,44 @@ STATE_UPDATES = "synk_lasagne_state_updates"
 """The tag of an expression that carries state updates (see :func:`add_state_updates`)."""
 
 
-def add_state_updates(expression: Any, updates: Sequence[tuple[Any, Any]]) -> None:
+def state_alias(var: Any) -> Any:
+    """An alias of the shared variable ``var`` -- another variable on its storage
+    (``SharedVariable.clone()``) -- for one training graph to read, so that the graph's update of
+    ``var`` can be the alias's ``default_update`` (see :func:`add_state_updates`) while a graph that
+    reads ``var`` itself (evaluation) updates nothing."""
+    return var.clone()
+
+
+def draw_generator(seeds: Any, name: str) -> Any:
+    """A new shared random generator (numpy's ``Generator``, the next seed of the
+    ``numpy.random.SeedSequence`` ``seeds``) for the draws of one training graph: its own state,
+    as each draw of Lasagne's random streams has."""
+    import numpy as np
+    import pytensor
+
+    (seed,) = seeds.spawn(1)
+    return pytensor.shared(np.random.default_rng(seed), name=name)
+
+
+def add_state_updates(expression: Any, updates: Sequence[tuple[Any, Any]], default_updates: Sequence[Any] = ()) -> None:
     """Attach ``updates`` (``(shared variable, new value)`` pairs) to ``expression``: state that
     computing it advances (batch norm's running averages, a dropout layer's random generator).
 
-    :func:`get_state_updates` finds them again from any expression built on ``expression``."""
+    :func:`get_state_updates` finds them again from any expression built on ``expression``.
+    ``default_updates``: for each update, the shared variable of the graph that gets ``new`` as its
+    ``default_update`` (the variable, where only this graph reads it, or its
+    :func:`state_alias`): a plain ``pytensor.function`` of any expression built on ``expression``
+    then applies the update with no updates given, as Lasagne's graphs do.  (PyTensor 3
+    deprecates setting ``default_update`` but applies it.)"""
+    import warnings
+
+    pairs = [(var, var.type.filter_variable(new, allow_convert=True)) for var, new in updates]
+    for carrier, (_, new) in zip(default_updates, pairs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            carrier.default_update = new
     found = getattr(expression.tag, STATE_UPDATES, [])
-    setattr(expression.tag, STATE_UPDATES, [*found, *((var, var.type.filter_variable(new, allow_convert=True))
-                                                       for var, new in updates)])
+    setattr(expression.tag, STATE_UPDATES, [*found, *pairs])
 
 
 def get_state_updates(expression_or_expressions: Any) -> list[tuple[Any, Any]]:

@@ -93,7 +93,7 @@ def get_output(layer_or_layers: Any, inputs: Any = None, **kwargs: Any) -> Any:
     -------
     expression, or list of expressions
     """
-    import pytensor.tensor as pt
+    from synk_lasagne.utils import as_theano_expression
 
     layers, single = _as_list(layer_or_layers)
     treat_as_input = list(inputs) if isinstance(inputs, dict) else []
@@ -107,16 +107,16 @@ def get_output(layer_or_layers: Any, inputs: Any = None, **kwargs: Any) -> Any:
     outputs: dict[Any, Any] = {lay: lay.input_var for lay in all_layers
                                if isinstance(lay, InputLayer) and lay not in given}
     if isinstance(inputs, dict):
-        outputs.update({lay: pt.as_tensor_variable(expr) for lay, expr in inputs.items()})
+        outputs.update({lay: as_theano_expression(expr) for lay, expr in inputs.items()})
     elif inputs is not None:
         input_layers = [lay for lay in all_layers if isinstance(lay, InputLayer)]
         if len(input_layers) != 1:
             raise ValueError(f"get_output got one input expression for {len(input_layers)} InputLayers: pass a "
                              "dict {input_layer: expression}")
-        outputs[input_layers[0]] = pt.as_tensor_variable(inputs)
+        outputs[input_layers[0]] = as_theano_expression(inputs)
     for lay in outputs:
         if isinstance(lay, InputLayer):
-            outputs[lay] = _with_static_shape(outputs[lay], lay.shape)
+            _check_ndim(outputs[lay], lay.shape)
     for lay in all_layers:
         if lay in outputs:
             continue
@@ -174,21 +174,15 @@ def _warn_unused(kwargs: dict[str, Any], layers: Sequence[Any]) -> None:
                   stacklevel=3)
 
 
-def _with_static_shape(expression: Any, shape: tuple[int | None, ...]) -> Any:
-    """``expression`` with the InputLayer's lengths as its static shape (``specify_shape``) where
-    it has none: the layers above then know their shapes (concrete under PyTensor's JAX backend)."""
-    import pytensor.tensor as pt
+def _check_ndim(expression: Any, shape: tuple[int | None, ...]) -> None:
+    """Raise ValueError where a tensor given for an InputLayer has another number of dimensions
+    than the layer's shape.  (The lengths are not checked: as in Lasagne, the layer's shape is
+    what the layers above assume, and a given expression is used as it is.)"""
     from pytensor.tensor.variable import TensorVariable
 
-    if not isinstance(expression, TensorVariable) or not isinstance(shape, tuple):
-        return expression  # not a tensor and a shape (a stand-in of the user's): nothing to add
-    if expression.ndim != len(shape):
+    if isinstance(expression, TensorVariable) and isinstance(shape, tuple) and expression.ndim != len(shape):
         raise ValueError(f"the input expression has {expression.ndim} dimensions; the InputLayer's shape {shape} "
                          f"has {len(shape)}")
-    known = expression.type.shape
-    if all(want is None or have is not None for want, have in zip(shape, known)):
-        return expression
-    return pt.specify_shape(expression, tuple(have if want is None else want for want, have in zip(shape, known)))
 
 
 def get_output_shape(layer_or_layers: Any, input_shapes: Any = None) -> Any:

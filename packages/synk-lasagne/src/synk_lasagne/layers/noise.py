@@ -1,7 +1,11 @@
 """Noise layers: :class:`DropoutLayer`, :class:`GaussianNoiseLayer`.
 
-The mask comes from a shared random generator; the output carries the generator's update (see
-:func:`~synk_lasagne.layers.get_state_updates`), so that each call draws a new mask.  In a forked
+The mask comes from a random generator of each training graph's own (a shared numpy
+``Generator``, seeded from the layer's seed sequence, as each draw of Lasagne's random streams has
+its own state), which each call advances, so that each call draws a new mask: as in Lasagne, a
+plain ``pytensor.function`` does it with no updates given (the generator's ``default_update``);
+the output also carries the update (:func:`~synk_lasagne.layers.get_state_updates`), which update
+rules given the loss hold.  In a forked
 Synkhronos program every rank's generator is reseeded from its state and its rank at
 distribution, so the ranks draw different masks, as independent workers should.
 """
@@ -13,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from synk_lasagne.layers.base import Layer, add_state_updates
+from synk_lasagne.layers.base import Layer, add_state_updates, draw_generator
 from synk_lasagne.random import get_rng
 
 __all__ = ["DropoutLayer", "GaussianNoiseLayer", "dropout", "dropout_channels", "dropout_locations",
@@ -37,13 +41,11 @@ class DropoutLayer(Layer):
 
     def __init__(self, incoming: Any, p: float = 0.5, rescale: bool = True, shared_axes: Sequence[int] = (),
                  **kwargs: Any) -> None:
-        import pytensor
 
         super().__init__(incoming, **kwargs)
         if not 0 <= p < 1:
             raise ValueError(f"dropout probability p must be in [0, 1), got {p}")
-        self.rng = pytensor.shared(np.random.default_rng(get_rng().randint(1, 2147462579)),
-                                   name=f"{self.name}.rng" if self.name else "dropout.rng")
+        self._seeds = np.random.SeedSequence(get_rng().randint(1, 2147462579))
         self.p = p
         self.rescale = rescale
         self.shared_axes = tuple(shared_axes)
@@ -58,13 +60,14 @@ class DropoutLayer(Layer):
             input = input / keep
         shared = [a % input.ndim for a in self.shared_axes]
         mask_shape = tuple(1 if a in shared else input.shape[a] for a in range(input.ndim))
+        rng = draw_generator(self._seeds, f"{self.name}.rng" if self.name else "dropout.rng")
         # uniform draws, not binomial: PyTensor's JAX backend has binomial only with NumPyro installed
-        next_rng, draws = pt.random.uniform(0.0, 1.0, size=mask_shape, rng=self.rng, return_next_rng=True)
+        next_rng, draws = pt.random.uniform(0.0, 1.0, size=mask_shape, rng=rng, return_next_rng=True)
         mask = pt.cast(pt.lt(draws, keep), input.dtype)  # float32 stays float32
         if shared:
             mask = pt.specify_broadcastable(mask, *shared)
         output = input * mask
-        add_state_updates(output, [(self.rng, next_rng)])
+        add_state_updates(output, [(rng, next_rng)], [rng])
         return output
 
 
@@ -93,11 +96,9 @@ class GaussianNoiseLayer(Layer):
     """Adds ``N(0, sigma**2)`` noise in training (``deterministic=False``); the identity otherwise."""
 
     def __init__(self, incoming: Any, sigma: float = 0.1, **kwargs: Any) -> None:
-        import pytensor
 
         super().__init__(incoming, **kwargs)
-        self.rng = pytensor.shared(np.random.default_rng(get_rng().randint(1, 2147462579)),
-                                   name=f"{self.name}.rng" if self.name else "noise.rng")
+        self._seeds = np.random.SeedSequence(get_rng().randint(1, 2147462579))
         self.sigma = sigma
 
     def get_output_for(self, input: Any, deterministic: bool = False, **kwargs: Any) -> Any:
@@ -105,7 +106,8 @@ class GaussianNoiseLayer(Layer):
 
         if deterministic or self.sigma == 0:
             return input
-        next_rng, noise = pt.random.normal(0.0, self.sigma, size=input.shape, rng=self.rng, return_next_rng=True)
+        rng = draw_generator(self._seeds, f"{self.name}.rng" if self.name else "noise.rng")
+        next_rng, noise = pt.random.normal(0.0, self.sigma, size=input.shape, rng=rng, return_next_rng=True)
         output = input + pt.cast(noise, input.dtype)
-        add_state_updates(output, [(self.rng, next_rng)])
+        add_state_updates(output, [(rng, next_rng)], [rng])
         return output

@@ -8,13 +8,16 @@
 
 Running averages are updates
 ----------------------------
-In training, the output carries the updates of the running averages ``mean`` and ``inv_std``:
-``running := (1 - alpha) * running + alpha * batch_value``.  :func:`get_state_updates` collects
-them from any expression built on the output (e.g. the loss); :func:`synk_lasagne.make_train_function`
-applies them at every step without being told, and a function of your own applies them with
-``pytensor.function(..., updates=rule_updates + get_state_updates(loss))``.  (Lasagne gives the
-variables a ``default_update`` instead, which PyTensor 3.3 deprecates; updates tied to the graph
-also let several training graphs coexist.)
+In training (``deterministic=False``) the running averages ``mean`` and ``inv_std`` advance at
+every call: ``running := (1 - alpha) * running + alpha * batch_value``.  As in Lasagne, the
+training graph holds an alias of each (a shared variable on the same storage) whose
+``default_update`` is that update, so ``pytensor.function`` applies it with no updates given (and
+an evaluation function, whose graph reads ``mean`` itself, applies none).  The same updates are
+also explicit: :func:`get_state_updates` collects them from any expression built on the output,
+an update rule given the loss holds them, and :func:`synk_lasagne.make_train_function` applies
+them; either way each call advances the averages once.  In a :func:`synkhronos.function` the alias
+is the variable itself (one value per rank) and its default update applies where no update of the
+variable is given.
 
 Data-parallel training
 ----------------------
@@ -32,7 +35,7 @@ from typing import Any
 
 from synk_lasagne import nonlinearities
 from synk_lasagne.init import ONES, ZEROS
-from synk_lasagne.layers.base import Layer, add_state_updates
+from synk_lasagne.layers.base import Layer, add_state_updates, state_alias
 
 __all__ = ["BatchNormLayer", "LocalResponseNormalization2DLayer", "StandardizationLayer",
            "average_running_statistics", "batch_norm", "get_running_statistics", "instance_norm", "layer_norm"]
@@ -51,7 +54,7 @@ class BatchNormLayer(Layer):
     alpha : float
         The weight of each new batch in the running averages.
     beta, gamma : initialiser, array, shared variable or None
-        Shift and scale (trainable, not regularizable); None: none.
+        Shift and scale (trainable; ``gamma`` regularizable, ``beta`` not, as in Lasagne); None: none.
     mean, inv_std : initialiser, array or shared variable
         The running averages (not trainable).
     """
@@ -74,7 +77,7 @@ class BatchNormLayer(Layer):
         self.beta = None if beta is None else self.add_param(beta, shape, "beta", trainable=True,
                                                              regularizable=False)
         self.gamma = None if gamma is None else self.add_param(gamma, shape, "gamma", trainable=True,
-                                                               regularizable=False)
+                                                               regularizable=True)  # as Lasagne's
         self.mean = self.add_param(mean, shape, "mean", trainable=False, regularizable=False, batch_norm_stat=True)
         self.inv_std = self.add_param(inv_std, shape, "inv_std", trainable=False, regularizable=False,
                                       batch_norm_stat=True)
@@ -95,24 +98,30 @@ class BatchNormLayer(Layer):
             see :func:`get_state_updates`).
         """
         import pytensor.tensor as pt
+        from pytensor.compile.sharedvalue import SharedVariable
 
         use_averages = deterministic if batch_norm_use_averages is None else batch_norm_use_averages
         update_averages = (not deterministic) if batch_norm_update_averages is None else batch_norm_update_averages
-        if use_averages:
-            mean, inv_std = self.mean, self.inv_std
-        else:
-            mean = input.mean(self.axes)
-            inv_std = 1 / pt.sqrt(input.var(self.axes) + self.epsilon)
+        batch_mean = input.mean(self.axes)
+        batch_inv_std = 1 / pt.sqrt(input.var(self.axes) + self.epsilon)
+        mean, inv_std = (self.mean, self.inv_std) if use_averages else (batch_mean, batch_inv_std)
+        state: list[tuple[Any, Any]] = []
+        aliases = []
+        if update_averages:
+            for stat, batch in ((self.mean, batch_mean), (self.inv_std, batch_inv_std)):
+                if isinstance(stat, SharedVariable):  # (an expression given for it has no state to update)
+                    aliases.append(state_alias(stat))
+                    state.append((stat, (1 - self.alpha) * aliases[-1] + self.alpha * batch))
+            # the aliases in the graph, computing nothing: a plain function collects their updates
+            mean = mean + sum(0 * alias for alias in aliases)
         pattern = _broadcast_pattern(input.ndim, self.axes)
         gamma = 1 if self.gamma is None else self.gamma.dimshuffle(pattern)
         beta = 0 if self.beta is None else self.beta.dimshuffle(pattern)
         output = (input - mean.dimshuffle(pattern)) * (gamma * inv_std.dimshuffle(pattern)) + beta
-        if update_averages:
-            batch_mean = input.mean(self.axes)
-            batch_inv_std = 1 / pt.sqrt(input.var(self.axes) + self.epsilon)
-            add_state_updates(output, [(self.mean, (1 - self.alpha) * self.mean + self.alpha * batch_mean),
-                                       (self.inv_std, (1 - self.alpha) * self.inv_std + self.alpha * batch_inv_std)])
+        if state:
+            add_state_updates(output, state, aliases)
         return output
+
 
 def _broadcast_pattern(ndim: int, axes: Sequence[int]) -> list[Any]:
     """The dimshuffle pattern that puts a per-channel vector back among ``ndim`` axes."""

@@ -195,7 +195,6 @@ class RandomizedRectifierLayer(Layer):
     def __init__(self, incoming: Any, lower: float = 0.3, upper: float = 0.8, shared_axes: Any = "auto",
                  **kwargs: Any) -> None:
         import numpy as np
-        import pytensor
 
         from synk_lasagne.random import get_rng
 
@@ -205,23 +204,22 @@ class RandomizedRectifierLayer(Layer):
                              f"upper={upper}")
         self.lower, self.upper = lower, upper
         self.shared_axes = _shared_axes(shared_axes, len(self.input_shape))
-        self.rng = pytensor.shared(np.random.default_rng(get_rng().randint(1, 2147462579)),
-                                   name=f"{self.name}.rng" if self.name else "rrelu.rng")
+        self._seeds = np.random.SeedSequence(get_rng().randint(1, 2147462579))
 
     def get_output_for(self, input: Any, deterministic: bool = False, **kwargs: Any) -> Any:
         import pytensor.tensor as pt
 
-        from synk_lasagne.layers.base import add_state_updates
+        from synk_lasagne.layers.base import add_state_updates, draw_generator
 
         input = pt.as_tensor_variable(input)
         if deterministic or self.upper == self.lower:
             return pt.maximum(input, 0) + (self.lower + self.upper) / 2 * pt.minimum(input, 0)
         shape = tuple(1 if axis in self.shared_axes else input.shape[axis] for axis in range(input.ndim))
-        next_rng, slopes = pt.random.uniform(self.lower, self.upper, size=shape, rng=self.rng,
-                                             return_next_rng=True)
+        rng = draw_generator(self._seeds, f"{self.name}.rng" if self.name else "rrelu.rng")
+        next_rng, slopes = pt.random.uniform(self.lower, self.upper, size=shape, rng=rng, return_next_rng=True)
         slopes = pt.specify_broadcastable(pt.cast(slopes, input.dtype), *self.shared_axes)
         output = pt.maximum(input, 0) + slopes * pt.minimum(input, 0)
-        add_state_updates(output, [(self.rng, next_rng)])
+        add_state_updates(output, [(rng, next_rng)], [rng])
         return output
 
 
