@@ -9,6 +9,7 @@ import numpy as np
 from synk_lasagne import nonlinearities
 from synk_lasagne.init import GLOROT_UNIFORM, ZEROS
 from synk_lasagne.layers.base import Layer
+from synk_lasagne.layers.shape import merge_trailing
 from synk_lasagne.layers.special import NonlinearityLayer
 
 __all__ = ["DenseLayer", "NINLayer", "NonlinearityLayer"]
@@ -61,7 +62,7 @@ class DenseLayer(Layer):
         import pytensor.tensor as pt
 
         if input.ndim > self.num_leading_axes + 1:
-            input = input.flatten(self.num_leading_axes + 1)
+            input = merge_trailing(input, self.num_leading_axes + 1, self.input_shape)
         activation = pt.dot(input, self.W)
         if self.b is not None:
             activation = activation + self.b

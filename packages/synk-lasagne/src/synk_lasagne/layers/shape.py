@@ -27,7 +27,17 @@ class FlattenLayer(Layer):
         return (*input_shape[:self.outdim - 1], merged)
 
     def get_output_for(self, input: Any, **kwargs: Any) -> Any:
-        return input.flatten(self.outdim)
+        return merge_trailing(input, self.outdim, self.input_shape)
+
+
+def merge_trailing(input: Any, outdim: int, input_shape: tuple[Any, ...]) -> Any:
+    """``input.flatten(outdim)``, with the merged length written out where ``input_shape`` knows
+    the merged axes: a reshape to ``-1`` cannot infer it from a batch of zero rows (a data-parallel
+    rank without rows), nor can JAX."""
+    rest = input_shape[outdim - 1:]
+    if outdim < 1 or len(rest) != input.ndim - outdim + 1 or any(not isinstance(n, int) for n in rest):
+        return input.flatten(outdim)
+    return input.reshape((*(input.shape[i] for i in range(outdim - 1)), int(np.prod(rest))), ndim=outdim)
 
 
 class ReshapeLayer(Layer):
