@@ -26,9 +26,10 @@ def entries_of_pid(pid: int) -> list[str]:
 @pytest.mark.job
 @pytest.mark.timeout(300)
 def test_resnet_demo_learns(tmp_path):
-    """The scatter pattern (the MNIST job's tests run both), with the one-process baseline."""
+    """The scatter pattern, without the one-process baseline (the MNIST job's tests run both patterns
+    and the speedup line)."""
     pattern = "scatter"
-    args = [SCRIPT, *TINY, "--steps", "14", "--warmup", "2", "--pattern", pattern]
+    args = [SCRIPT, *TINY, "--steps", "14", "--warmup", "2", "--pattern", pattern, "--no-baseline"]
     result, pid = run_script(args, cwd=str(tmp_path))
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr}"
@@ -39,7 +40,6 @@ def test_resnet_demo_learns(tmp_path):
     assert match, out
     rate, first, last = float(match.group(1)), float(match.group(2)), float(match.group(3))
     assert rate > 0 and first > 1.0 and last < 0.5 * first, out
-    assert re.search(r"speedup of 2 CPU processes over 1: \d+\.\d+x", out), out
     assert out.rstrip().endswith("Done.")
     assert entries_of_pid(pid) == [], "the demo left shared memory behind"
 
