@@ -2,7 +2,7 @@
 (benchmarks/bench_resnet.py --dry-run), run as a user runs them: subprocesses, briefly (a
 ResNet-10 of width 8 on 32x32 images, CPU mode, 2 ranks).  The demo must learn (the training loss
 of its last steps far below that of its first, which is ln(4) for 4 classes), print images/s and
-the speedup, and leave no shared memory behind."""
+leave no shared memory behind (the speedup line is the MNIST job tests' to check)."""
 
 from __future__ import annotations
 
