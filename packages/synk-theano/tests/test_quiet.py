@@ -5,6 +5,7 @@ work in JAX mode without requests for 64-bit dtypes (the same values, no JAX war
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -88,3 +89,29 @@ def test_float32_work_requests_no_float64_from_jax():
         np.testing.assert_allclose(prod, value[0].prod())
     finally:
         jax.config.update("jax_enable_x64", x64)
+
+
+NOTES = r"""
+import warnings
+import jax.numpy as jnp
+from synkhronos import cpu
+def noted():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", append=True)  # every warning the process's own filters let through
+        jnp.arange(3, dtype="int64"), jnp.ones(2).astype("float64")
+    return sum("Explicitly requested dtype" in str(c.message) for c in caught)
+print(noted())
+cpu.enable_x64_if_float64()
+print(noted())
+"""
+
+
+def test_float32_work_does_not_repeat_jaxs_32_bit_notes():
+    """Under floatX=float32 a rank's JAX computes int64 indices and float64 casts in 32 bits (the
+    documented behaviour): once CPU mode (or a GPU worker) set JAX up, its note about each is not
+    shown; before, it is."""
+    pytest.importorskip("jax")
+    out = subprocess.run([sys.executable, "-c", NOTES], capture_output=True, timeout=120, check=True, text=True,
+                         env={**os.environ, "PYTENSOR_FLAGS": "floatX=float32", "JAX_PLATFORMS": "cpu"}).stdout
+    before, after = (int(n) for n in out.split())
+    assert before >= 2 and after == 0, out

@@ -190,11 +190,17 @@ def compute_on_calling_thread() -> bool:
 
 
 def enable_x64_if_float64() -> None:
-    """JAX computes in float64 only when asked: as PyTensor does, ask when floatX is float64."""
+    """JAX computes in float64 only when asked: as PyTensor does, ask when floatX is float64 (and
+    otherwise do not repeat JAX's note about each 64-bit request computed in 32 bits)."""
     import jax
     import pytensor
 
-    jax.config.update("jax_enable_x64", pytensor.config.floatX == "float64")
+    x64 = pytensor.config.floatX == "float64"
+    jax.config.update("jax_enable_x64", x64)
+    if not x64:
+        from synkhronos.quiet import drop_32bit_notes
+
+        drop_32bit_notes()  # int64 indices, float64 casts computed in 32 bits, as documented
 
 
 def _group_errors() -> tuple[type[BaseException], ...]:

@@ -30,6 +30,10 @@
     the blank line that ends each) and forwards the rest.  A worker's errors while it works reach
     the terminal unfiltered.
 
+:func:`drop_32bit_notes`
+    The rest of JAX's notes about 64-bit requests computed in 32 bits (int64 indices, float64
+    casts) under float32 work, not repeated at every trace of every rank.
+
 :func:`request_canonical_dtypes`
     With ``floatX=float32`` JAX runs without 64-bit types (``jax_enable_x64`` off), and PyTensor's
     JAX translation still asks for them: a float32 ``Sum``/``Prod`` accumulates in float64
@@ -48,12 +52,13 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from synkhronos import linefilter
 
-__all__ = ["drop_gloo_connect_lines", "request_canonical_dtypes", "shutdown_runtime_quietly"]
+__all__ = ["drop_32bit_notes", "drop_gloo_connect_lines", "request_canonical_dtypes", "shutdown_runtime_quietly"]
 
 _filter: threading.Thread | None = None
 log = logging.getLogger(__name__)
@@ -147,6 +152,15 @@ def _filter_process(fd: int, kind: str) -> None:
         os.close(read_fd)
     os.dup2(write_fd, fd)
     os.close(write_fd)
+
+
+def drop_32bit_notes() -> None:
+    """With JAX's 64-bit mode off (float32 work: Synkhronos turns it on only under ``floatX=float64``),
+    JAX computes the 64-bit types a graph asks for (int64 indices and shapes, float64 casts) in 32
+    bits and says so at every trace ("Explicitly requested dtype int64 requested in arange is not
+    available ..."): the documented behaviour, nothing to act on.  From now on this process does not
+    show that note."""
+    warnings.filterwarnings("ignore", message=r"Explicitly requested dtype \w+ requested in \w+ is not available")
 
 
 _DTYPE_ATTRS = {"CAReduce": ("acc_dtype", "dtype"), "MakeVector": ("dtype",)}

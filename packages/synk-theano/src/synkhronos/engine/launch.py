@@ -82,7 +82,9 @@ def join(coordinator: str, num_processes: int, process_id: int, on_gpu: bool) ->
     if pytensor.config.floatX == "float64":
         jax.config.update("jax_enable_x64", True)
     else:  # float32 work computes 64-bit requests (int64 indices, float64 casts) in 32 bits, as documented
-        warnings.filterwarnings("ignore", message=r"Explicitly requested dtype \w+ requested in \w+ is not available")
+        from synkhronos.quiet import drop_32bit_notes
+
+        drop_32bit_notes()
     # PyTensor's note, at every compilation of every worker, that JAX checks no Assert (the GPU guide says so)
     warnings.filterwarnings("ignore", message=r"Skipping Assert")
     from synkhronos.quiet import request_canonical_dtypes
