@@ -64,17 +64,22 @@ _filter: threading.Thread | None = None
 log = logging.getLogger(__name__)
 
 
+def _flush_std() -> None:
+    """Write out what Python buffers for standard output and error before their descriptors move."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 class _Redirect:
     """File descriptor ``fd`` through a :class:`~synkhronos.linefilter.LineFilter` in a thread,
     until :meth:`restore`."""
 
     def __init__(self, fd: int, lines: linefilter.LineFilter, name: str) -> None:
         self.fd = fd
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        _flush_std()
         self.original = os.dup(fd)
         read_fd, write_fd = os.pipe()
         os.dup2(write_fd, fd)
@@ -85,11 +90,7 @@ class _Redirect:
 
     def restore(self, timeout: float = 2.0) -> None:
         """Put the original descriptor back; the filter forwards what is left and ends."""
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        _flush_std()
         os.dup2(self.original, self.fd)  # closes the pipe's last writer: the filter sees its end
         self.thread.join(timeout)
         os.close(self.original)
@@ -135,11 +136,7 @@ def _filter_process(fd: int, kind: str) -> None:
     """From now on, file descriptor ``fd`` writes to a filter process (``linefilter.py kind``) that
     forwards to where ``fd`` wrote before, and ends once every writer is gone.  Without one (it
     cannot start), ``fd`` stays as it is."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    _flush_std()
     read_fd, write_fd = os.pipe()
     try:
         subprocess.Popen([sys.executable, "-I", "-S", linefilter.__file__, kind], stdin=read_fd, stdout=fd,
