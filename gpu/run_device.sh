@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | quiet | resnet | resnet-scaling | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | resnet-inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | quiet | resnet | resnet-scaling | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | overlap | resnet-inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -265,6 +265,20 @@ if [ "$what" = inflight ]; then
   # future) beside plain PyTensor JAX on 1 GPU and DDP with and without its per-step sync
   SYNK_BENCH_PARTS=allreduce,tiny,tf32 SYNK_BENCH_IN_FLIGHT=2 timeout 300 python3 benchmarks/bench_gpu.py 2>&1 \
     | tee "$OUT/bench_gpu_inflight.log" || status=1
+fi
+# Where XLA schedules the gradient all-reduce of the MLP step on every GPU (tools/hlo_overlap.py: the step's
+# optimised HLO, the products that run between each all-reduce's start and its wait), then the calls-in-flight
+# and collective tests in GPU mode and bench_gpu's all-reduce (called and submitted) and tiny call
+if [ "$what" = overlap ]; then
+  PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 200 python3 tools/hlo_overlap.py --batch 16384 --dump "$OUT/hlo" 2>&1 \
+    | grep -v "WatchTasksAsync\|GRPC error\|CANCELLED\|UNAVAILABLE\|Source Location\|grpc_util\|^$" \
+    | tee "$OUT/hlo_overlap.log" || status=1
+  (cd "$OUT/hlo" 2>/dev/null && ls | grep -v "after_optimizations.txt$" | xargs -r rm -f)  # keep the optimised modules only
+  T=packages/synk-theano/tests
+  SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 150 python3 -m pytest -p no:cacheprovider -q -rs \
+    $T/test_synk_inflight.py $T/test_synk_collectives.py 2>&1 | tail -n 6 | tee "$OUT/gpu_inflight_tests.log" || status=1
+  SYNK_BENCH_PARTS=allreduce,tiny timeout 200 python3 benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu_allreduce.log" \
+    || status=1
 fi
 # ResNet-50 on one GPU (TF32, batch 128): synk 1 rank synchronous and submitted (2 in flight, every loss read
 # through its future) beside plain PyTensor JAX reading the loss every step and once at the end (async)

@@ -218,6 +218,81 @@ def test_jax_engine_pipelines_submitted_calls(ranks, monkeypatch):
     assert third in done and float(third.result()) == 8.0
 
 
+def test_submitted_collectives_run_in_order_with_the_calls(ranks):
+    """``synk.<collective>.submit``: the same values as the synchronous sequence, in submission order
+    with the calls (each rank adds its own rows' sum, the all-reduce makes the ranks agree)."""
+    x = pt.matrix("x")
+    c = pytensor.shared(np.zeros(2, dtype=FLOAT), name="c_sub")
+    add = synk.function([x], outputs=(x.sum(), "sum"), updates=[(c, c + x.sum(axis=0))])
+    d = synk.data(np.arange(2 * 7, dtype=FLOAT).reshape(7, 2))
+
+    def sequence(submit: bool) -> list[np.ndarray]:
+        synk.set_value(0, c, np.zeros(2, dtype=FLOAT))
+        synk.broadcast(c)
+        run = (lambda fn, *a, **k: fn.submit(*a, **k)) if submit else (lambda fn, *a, **k: fn(*a, **k))
+        got = []
+        for _ in range(3):
+            got.append(run(add, d))
+            got.append(run(synk.all_reduce, c, op="sum"))
+            got.append(run(synk.gather, c))
+        got = [g.result(timeout=30) if submit else g for g in got]
+        return [*got, *(synk.get_value(r, c) for r in range(ranks))]
+
+    sync, submitted = sequence(False), sequence(True)
+    assert all(a is None and b is None if a is None else np.array_equal(a, b) for a, b in zip(sync, submitted))
+    # the reference: each rank adds its own rows, then every rank holds the sum over the ranks
+    ref = np.zeros(2)
+    for _ in range(3):
+        ref = ranks * ref + np.asarray(d.data, np.float64).sum(axis=0)
+    for r in range(ranks):
+        np.testing.assert_allclose(submitted[-ranks + r], ref)
+
+
+def test_a_submitted_collective_that_fails_leaves_the_group_usable(ranks):
+    c = pytensor.shared(np.ones(3, dtype=FLOAT), name="c_fail")
+    synk.function([], outputs=(c.sum(), "sum"))()
+    with pytest.raises(ValueError) as sync_error:
+        synk.all_reduce(c, op="median")
+    bad = synk.all_reduce.submit(c, op="median")
+    with pytest.raises(ValueError) as error:
+        bad.result(timeout=30)
+    assert str(error.value) == str(sync_error.value)
+    assert synk.all_reduce.submit(c, op="sum").result(timeout=30) is None
+    assert np.array_equal(synk.get_value(ranks - 1, c), np.full(3, float(ranks)))
+
+
+def test_jax_engine_pipelines_submitted_all_reduces_and_asks_shapes_once(ranks, monkeypatch):
+    """On the JAX engine a submitted all-reduce is held by the workers as a call in flight (the next
+    command brings its completion back); a loop of all-reduces asks the ranks' shapes once, and a
+    call in between makes them ask again (it may have changed a shape: here it does, per rank)."""
+    rt = current()
+    if rt.driver.name != "jax":
+        pytest.skip("the per-rank engine runs submitted collectives one by one")
+    c = pytensor.shared(np.ones(4, dtype=FLOAT), name="c_pipe")
+    synk.function([], outputs=(c.sum(), "sum"))()
+    synk.all_reduce(c, "sum")
+    before = rt.group.commands
+    for _ in range(3):
+        synk.all_reduce(c, "sum")
+    assert rt.group.commands - before == 3  # one command each: the shapes are known equal
+    monkeypatch.setattr(inflight, "IDLE_FETCH_S", 30.0)
+    first, second = synk.all_reduce.submit(c, op="max"), synk.all_reduce.submit(c, op="sum")
+    assert first.result(timeout=10) is None
+    time.sleep(0.05)
+    assert not second.done() and rt.engine.pipelined is not None
+    assert second.result(timeout=10) is None and rt.engine.pipelined is None
+    np.testing.assert_allclose(synk.get_value(0, c), np.full(4, float(ranks) ** 5))
+    x = pt.vector("x")
+    take = synk.function([x], updates=[(c, x)])  # each rank keeps its own rows: 3 and 2 of 5 (2 ranks)
+    take(synk.data(np.arange(2 * ranks + 1, dtype=FLOAT)))
+    with pytest.raises(ValueError, match="same shape"):
+        synk.all_reduce(c, "sum")
+    with pytest.raises(ValueError, match="same shape"):
+        synk.all_reduce.submit(c, op="sum").result(timeout=10)
+    synk.broadcast(c)
+    synk.all_reduce(c, "sum")
+
+
 def test_window_orders_deferred_calls_and_cancels_after_a_late_failure():
     """The window alone, with a fake engine: a deferred call resolved by the next call's command
     completes first; a deferred call that fails when the next call runs fails with its error, that

@@ -15,6 +15,12 @@
 ``get_lengths(vars)``, ``get_shapes(vars)``    every rank's length / shape, in rank order
 =============================================  =================================================
 
+Each can also be submitted, as a function's call can (:meth:`synkhronos.Function.submit`):
+``synk.all_reduce.submit(params, op="avg")`` returns a :class:`concurrent.futures.Future` of what
+the call returns, and the collective runs in submission order with the calls.  Under the JAX engine
+a submitted ``all_reduce`` is pipelined like a submitted call: the next command reaches the
+workers while it runs, so a loop of them keeps the devices busy.
+
 ``vars`` is one shared variable or a list; one variable gives one result, a list a tuple.  Values
 may be :class:`~synk_shm.Data` (every rank then reads its part straight from shared memory: the
 master copies nothing) or numpy arrays.  Every check happens in the master before any worker
@@ -26,7 +32,8 @@ inside programs of its runtime (:mod:`synkhronos.engine.collectives`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -36,7 +43,7 @@ from synk_shm import Data
 from synkhronos.calls import as_index_array, normalise_positions
 from synkhronos.data_registry import data_id, flush_dropped
 from synkhronos.protocol import COLLECTIVE
-from synkhronos.runtime import Runtime, describe, get_runtime, rank_runtime
+from synkhronos.runtime import Runtime, current, describe, get_runtime, rank_runtime
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce", "set_value",
            "get_value", "get_lengths", "get_shapes"]
@@ -147,15 +154,53 @@ def _length(checked: tuple[str, Any]) -> int:
 
 
 def _run(rt: Runtime, name: str, **payload: Any) -> Any:
-    return rt.driver.collective(rt, name, payload)
+    """The engine's collective: submitted (``defer``) when it runs in the window's dispatch thread."""
+    return rt.driver.collective(rt, name, payload, rt.window.in_dispatch())
 
 
 def _result(values: Sequence[Any], single: bool) -> Any:
     return values[0] if single else tuple(values)
 
 
+# --- submitted collectives ---------------------------------------------------------------------
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Submittable(Protocol[P, R]):
+    """A collective: called, it runs now; ``submit`` queues it with the submitted calls."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+    def submit(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]: ...
+
+
+def _submittable(fn: Callable[P, R]) -> Submittable[P, R]:
+    """``fn`` with a ``submit`` of the same arguments: a Future of its result, in submission order."""
+
+    def submit(*args: P.args, **kwargs: P.kwargs) -> Future[R]:
+        rt = current()
+        if rt is None or rt.group.closed:
+            get_runtime()  # raises the RuntimeError that says what to do
+        assert rt is not None
+
+        def run() -> Any:
+            if current() is not rt:
+                raise RuntimeError(f"synk.{fn.__name__} was submitted to a group that is closed")
+            return fn(*args, **kwargs)  # a Deferred where the engine pipelines it
+
+        return rt.window.submit(run)
+
+    submit.__doc__ = (f"Submit :func:`{fn.__name__}`: the same arguments; returns a :class:`concurrent.futures.Future` "
+                      "of its result (see :meth:`synkhronos.Function.submit`).")
+    fn.submit = submit  # type: ignore[attr-defined]
+    return cast("Submittable[P, R]", fn)
+
+
 # --- the collectives ---------------------------------------------------------------------------
 
+@_submittable
 def broadcast(shared_vars: Any, values: Any = None, nccl: bool = True) -> None:
     """Every rank's value becomes the master's (or the given ``values``: Data or numpy, one per
     variable)."""
@@ -166,6 +211,7 @@ def broadcast(shared_vars: Any, values: Any = None, nccl: bool = True) -> None:
     _run(rt, "broadcast", sids=sids, values=None if checked is None else _encode(rt, checked), nccl=nccl)
 
 
+@_submittable
 def scatter(shared_vars: Any, values: Any, batch: Any = None) -> None:
     """Rank ``r`` gets part ``r`` of each value (rows of ``batch`` only), split along axis 0 as
     evenly as possible (the first ranks get one row more)."""
@@ -185,6 +231,7 @@ def scatter(shared_vars: Any, values: Any, batch: Any = None) -> None:
     _run(rt, "scatter", sids=sids, values=_encode(rt, checked), rows=rows)
 
 
+@_submittable
 def gather(shared_vars: Any, nd_up: int = 1, nccl: bool = True) -> Any:
     """Every rank's value, in rank order: stacked on a new axis 0 (``nd_up=1``) or concatenated on
     axis 0 (``nd_up=0``).  Values are unchanged.
@@ -216,6 +263,7 @@ def gather(shared_vars: Any, nd_up: int = 1, nccl: bool = True) -> Any:
     return _result(out, single)
 
 
+@_submittable
 def all_gather(shared_vars: Any, nccl: bool = True) -> None:
     """Every rank's value becomes the concatenation (axis 0, rank order) of all ranks' values."""
     rt, variables, sids, _ = _prepare(shared_vars)
@@ -225,6 +273,7 @@ def all_gather(shared_vars: Any, nccl: bool = True) -> None:
     _run(rt, "all_gather", sids=sids, nccl=nccl)
 
 
+@_submittable
 def reduce(shared_vars: Any, op: str = "avg", in_place: bool = True, nccl: bool = True) -> Any:
     """``op`` over every rank's value, into the master's value (``in_place``) or returned.
 
@@ -237,14 +286,16 @@ def reduce(shared_vars: Any, op: str = "avg", in_place: bool = True, nccl: bool 
     return None if in_place else _result(results, single)
 
 
+@_submittable
 def all_reduce(shared_vars: Any, op: str = "avg", nccl: bool = True) -> None:
     """Every rank's value becomes ``op`` over all ranks' values (avg, sum, prod, max, min)."""
     rt, variables, sids, _ = _prepare(shared_vars)
     for var in variables:
         as_op(op, var.type.dtype)
-    _run(rt, "all_reduce", sids=sids, op=op, nccl=nccl)
+    return _run(rt, "all_reduce", sids=sids, op=op, nccl=nccl)  # type: ignore[no-any-return]  # None, or a Deferred
 
 
+@_submittable
 def set_value(rank: int, shared_vars: Any, values: Any, batch: Any = None) -> None:
     """Set the value(s) in one rank (rows of ``batch`` of each value)."""
     rt, variables, sids, single = _prepare(shared_vars)
@@ -258,6 +309,7 @@ def set_value(rank: int, shared_vars: Any, values: Any, batch: Any = None) -> No
     _run(rt, "set_value", sids=sids, values=_encode(rt, checked), rows=rows, target=int(rank))
 
 
+@_submittable
 def get_value(rank: int, shared_vars: Any) -> Any:
     """The value(s) in one rank."""
     rt, _, sids, single = _prepare(shared_vars)
@@ -265,6 +317,7 @@ def get_value(rank: int, shared_vars: Any) -> Any:
     return _result(_run(rt, "get_value", sids=sids, target=int(rank)), single)
 
 
+@_submittable
 def get_lengths(shared_vars: Any) -> Any:
     """Each variable's length in every rank (a list in rank order)."""
     shapes = get_shapes(shared_vars)
@@ -273,6 +326,7 @@ def get_lengths(shared_vars: Any) -> Any:
     return lengths[0] if not isinstance(shared_vars, (list, tuple)) else tuple(lengths)
 
 
+@_submittable
 def get_shapes(shared_vars: Any) -> Any:
     """Each variable's shape in every rank (a list in rank order)."""
     rt, _, sids, single = _prepare(shared_vars)

@@ -25,7 +25,17 @@ get_shapes
 
 A program needs the same shape in every rank, so the master first asks for the shapes (one
 small command) where they may differ: ``reduce`` and ``all_reduce`` refuse different shapes
-there, ``all_gather`` needs them for its lengths, ``broadcast`` for the root's shape.
+there, ``all_gather`` needs them for its lengths, ``broadcast`` for the root's shape.  Shapes
+found equal stay known (:attr:`~synkhronos.engine.master.Orchestrator.agreed`) while only
+reductions and fetches follow: a loop of all-reduces asks once.
+
+A *submitted* ``all_reduce`` (``synk.all_reduce.submit``, in the window's dispatch thread) is
+pipelined as submitted calls are (:mod:`synkhronos.inflight`): each worker dispatches its program
+and replies at once, holding it as the call in flight (:func:`synkhronos.engine.worker.pipelined`);
+its completion comes back with the next pipelined command, or a fetch.  So the next command
+reaches the workers while the all-reduce runs, and the device queue does not drain between
+them.  The other collectives, submitted, run as they do when called, after the call in flight
+is fetched.
 """
 
 from __future__ import annotations
@@ -37,10 +47,13 @@ import numpy as np
 
 from synk_comm import Group, handler
 from synkhronos.calls import normalise_positions
-from synkhronos.engine import COLLECT
+from synkhronos.engine import COLLECT, master
 from synkhronos.engine.launch import ABORT_GRACE_S
 from synkhronos.engine.program import AXIS, _shard_map
 from synkhronos.engine.program import _reduce as _over_ranks
+from synkhronos.engine.worker import Pending
+from synkhronos.engine.worker import pipelined as pipelined_call
+from synkhronos.inflight import Deferred
 from synkhronos.ops import without_empty_collective
 from synkhronos.runtime import Runtime, current
 
@@ -57,6 +70,26 @@ Shapes = list[list[tuple[int, ...]]]
 
 _REPLIES = ("shapes", "read", "get", "reduce")
 """The actions whose workers reply (the others only act)."""
+
+
+def _known_equal(rt: Runtime, sids: list[int]) -> bool:
+    """Whether every rank is known to hold the same shape of each variable (no command since the
+    last that found so could have changed one)."""
+    orchestrator = rt.engine
+    if orchestrator.agreed_at != rt.group.commands:
+        orchestrator.agreed.clear()
+        return False
+    return all(sid in orchestrator.agreed for sid in sids)
+
+
+def _still_equal(rt: Runtime, sids: list[int], before: int) -> None:
+    """A command that changed no shape ran (the count was ``before`` it): the shapes known equal
+    still are, and so are those of ``sids``, which it found equal."""
+    orchestrator = rt.engine
+    if orchestrator.agreed_at != before:
+        orchestrator.agreed.clear()
+    orchestrator.agreed.update(sids)
+    orchestrator.agreed_at = rt.group.commands
 
 
 def _command(rt: Runtime, action: str, sids: list[int], arg: Any = None) -> list[list[Any]]:
@@ -109,14 +142,51 @@ def _all_gather(rt: Runtime, sids: list[int], **_: Any) -> None:
     _command(rt, "all_gather", sids, [tuple(s[i][0] for s in shapes) for i in range(len(sids))])
 
 
+def _check_equal(rt: Runtime, sids: list[int]) -> int:
+    """ValueError unless every rank holds the same shape of each variable (asked unless known);
+    returns the command count after the check."""
+    if not _known_equal(rt, sids):
+        before = rt.group.commands
+        _same_shapes(_shapes(rt, sids), sids)
+        _still_equal(rt, sids, before)
+    return rt.group.commands
+
+
 def _reduce(rt: Runtime, sids: list[int], op: str, in_place: bool, **_: Any) -> list[np.ndarray]:
-    _same_shapes(_shapes(rt, sids), sids)
-    return _command(rt, "reduce", sids, (op, in_place))[0]
+    before = _check_equal(rt, sids)
+    result = _command(rt, "reduce", sids, (op, in_place, False))[0]
+    _still_equal(rt, sids, before)
+    return result
 
 
 def _all_reduce(rt: Runtime, sids: list[int], op: str, **_: Any) -> None:
-    _same_shapes(_shapes(rt, sids), sids)
-    _command(rt, "all_reduce", sids, op)
+    before = _check_equal(rt, sids)
+    _command(rt, "all_reduce", sids, (op, True, False))
+    _still_equal(rt, sids, before)
+
+
+def _all_reduce_pipelined(rt: Runtime, sids: list[int], op: str, **_: Any) -> Deferred:
+    """A submitted ``all_reduce``: its command brings back the completion of the pipelined call
+    before it; returns the :class:`~synkhronos.inflight.Deferred` of its own completion."""
+    before = _check_equal(rt, sids)
+    orchestrator = rt.engine
+    previous, orchestrator.pipelined = orchestrator.pipelined, None
+    rt.group.abort_grace_s = ABORT_GRACE_S
+    try:
+        with rt.group.command(COLLECT, ("all_reduce", sids, (op, True, True))):
+            pass
+    except BaseException as exc:
+        if previous is not None:
+            master.after_failure(rt, previous, exc)
+        raise
+    replies = rt.group.replies()
+    parts = [replies[r + 1] for r in range(rt.size)]  # [lengths, *previous call's reply]
+    if previous is not None:
+        previous.resolve(rt, [p[1:1 + int(p[0][0])] for p in parts])
+    _still_equal(rt, sids, before)
+    deferred = Deferred(lambda: master.fetch(rt))
+    orchestrator.pipelined = master.PipelinedCollective(deferred)
+    return deferred
 
 
 def _set_value(rt: Runtime, sids: list[int], values: list[Any], rows: list[Any], target: int, **_: Any) -> None:
@@ -144,10 +214,15 @@ _RUN: dict[str, Callable[..., Any]] = {
 }
 
 
-def run(rt: Runtime, name: str, payload: dict[str, Any]) -> Any:
+def run(rt: Runtime, name: str, payload: dict[str, Any], defer: bool = False) -> Any:
     """Collective ``name`` (checked by :mod:`synkhronos.collectives`) with its payload there;
-    returns what the per-rank engine's command returns in the master."""
+    returns what the per-rank engine's command returns in the master.  ``defer`` (a submitted
+    collective, in the window's dispatch thread): an ``all_reduce`` is pipelined and returns a
+    :class:`~synkhronos.inflight.Deferred`; the others run after the call in flight is fetched."""
     args = {k: v for k, v in payload.items() if k != "nccl"}
+    if defer and name == "all_reduce":
+        return _all_reduce_pipelined(rt, **args)
+    master.fetch(rt)
     return _RUN[name](rt, **args)
 
 
@@ -274,12 +349,22 @@ def _collect(group: Group, payload: tuple[str, list[int], Any]) -> None:
     elif action in ("all_reduce", "reduce"):
         import jax
 
-        op, in_place = (arg, True) if action == "all_reduce" else arg
+        op, in_place, pipelined = arg
 
         def reduce(*xs: Any) -> tuple[Any, ...]:
             return tuple(_reduced(op, x) for x in xs)
 
-        results = _jitted(rt, ("reduce", op, len(sids)), reduce, len(sids))(*_operands(rt, variables))
+        program = _jitted(rt, ("reduce", op, len(sids)), reduce, len(sids))
+        if pipelined:  # stored as dispatched; its end is waited for with the next pipelined command
+            def start() -> Pending:
+                results = program(*_operands(rt, variables))
+                for var, glob in zip(variables, results):
+                    cast("EngineDevice", device).store(var, glob)
+                return Pending([], [], results)
+
+            pipelined_call(group, rt, start)
+            return
+        results = program(*_operands(rt, variables))
         jax.block_until_ready(results)
         if action == "all_reduce" or (in_place and rt.rank == 0):
             _store(rt, variables, results)

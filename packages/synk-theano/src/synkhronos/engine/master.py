@@ -33,7 +33,8 @@ from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, settled
 
-__all__ = ["Orchestrator", "call", "device_memory", "fetch", "read_value", "settle", "write_value"]
+__all__ = ["Orchestrator", "PipelinedCollective", "after_failure", "call", "device_memory", "fetch", "read_value",
+           "settle", "write_value"]
 
 log = logging.getLogger("synkhronos")
 
@@ -52,8 +53,14 @@ class Orchestrator:
         self.fits: set[bytes] = set()
         """The plans (scratch slots) of calls whose sliceable shared variables the ranks found to fit
         one program, valid while :attr:`quiet_at` says that nothing has changed them since."""
-        self.pipelined: _Pipelined | None = None
-        """The last pipelined call, whose outputs the workers still hold (:func:`call` with ``defer``)."""
+        self.pipelined: _Pipelined | PipelinedCollective | None = None
+        """The last pipelined call (or all-reduce), whose outputs or completion the workers still
+        hold (:func:`call` with ``defer``, :mod:`synkhronos.engine.collectives`)."""
+        self.agreed: set[int] = set()
+        """Shared ids whose shape every rank is known to hold alike (found by a collective's
+        shape check), valid while :attr:`agreed_at` equals the group's command count."""
+        self.agreed_at = -1
+        """The command count after the last command known to change no shared variable's shape."""
         self.quiet_at = -1
         """The group's command count (:attr:`synk_comm.Group.commands`) at the end of the last call that
         ran as one program and changed no shared variable's shape; -1 when the last command was another.
@@ -113,6 +120,21 @@ class _Pipelined:
         self.deferred.fail(self.translate(exc))
 
 
+class PipelinedCollective:
+    """The master's record of a pipelined all-reduce: it completes when the workers say so (its
+    reply holds nothing)."""
+
+    def __init__(self, deferred: Deferred) -> None:
+        self.deferred = deferred
+
+    def resolve(self, rt: Runtime, parts: list[list[Any]]) -> None:
+        """Every worker finished it."""
+        self.deferred.resolve(None)
+
+    def fail(self, exc: BaseException) -> None:
+        self.deferred.fail(exc)
+
+
 def _same(exc: BaseException) -> BaseException:
     return exc
 
@@ -167,7 +189,7 @@ def call(rt: Runtime, rep: Replica, plan: calls.CallPlan, known: tuple[str | Non
                 rt.group.barrier()  # the workers check their sliceable rows, then meet (calls.execute)
     except BaseException as exc:
         if previous is not None:
-            _after_failure(rt, previous, exc)
+            after_failure(rt, previous, exc)
         raise
     if ph is not None:
         ph.mark("command")
@@ -199,6 +221,7 @@ def fetch(rt: Runtime) -> None:
         return
     rt.engine.pipelined = None
     quiet = rt.engine.quiet_at == rt.group.commands
+    agreed = rt.engine.agreed_at == rt.group.commands
     try:
         with rt.group.command(FETCH):
             pass
@@ -208,10 +231,12 @@ def fetch(rt: Runtime) -> None:
         return
     if quiet:  # a fetch changes no shared variable: the plans known to fit still do
         rt.engine.quiet_at = rt.group.commands
+    if agreed:  # ... and the shapes known equal still are
+        rt.engine.agreed_at = rt.group.commands
     previous.resolve(rt, [replies[r + 1][1:] for r in range(rt.size)])
 
 
-def _after_failure(rt: Runtime, previous: _Pipelined, exc: BaseException) -> None:
+def after_failure(rt: Runtime, previous: _Pipelined | PipelinedCollective, exc: BaseException) -> None:
     """A pipelined call's command failed (``exc``) while the call before it was pending: which one
     failed?  The workers kept the answer (the worker's ``FETCH`` handler).  If the earlier
     one: it fails with ``exc`` and this one raises CancelledError; else the earlier one resolves and

@@ -14,7 +14,7 @@ import this module through :mod:`synkhronos.worker`):
   A *pipelined* call (bit :data:`~synkhronos.calls.DEFER` of the plan's flags slot, a submitted
   call: :mod:`synkhronos.inflight`) is dispatched and held (:class:`Pending`); the rank replies
   the outputs of the pipelined call before it, which it waits for only after this call's program
-  is queued behind it (``_call_pipelined``).
+  is queued behind it (:func:`pipelined`).
 * ``FETCH`` -- the outputs of the pipelined call held, when no call follows it (``_fetch``).
 * ``VALUE`` -- shared variables' values: read one rank's (``get``) or every rank's (``read``),
   set them (``assign``: the same in every rank, or one per rank); or every rank's device memory
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ from synkhronos.engine.program import (
 )
 from synkhronos.runtime import Runtime, current, set_current
 
-__all__ = ["PIN_ENV", "Pending", "Ranks", "pins_inputs"]
+__all__ = ["PIN_ENV", "Pending", "Ranks", "pins_inputs", "pipelined"]
 
 log = logging.getLogger("synkhronos")
 
@@ -84,7 +85,7 @@ class Ranks:
         self.pinned: dict[int, int] = {}
         """Data id -> the address of its memory, registered with the device (0: too small to register)."""
         self.pending: Pending | None = None
-        """The last pipelined call, dispatched and not replied yet (``_call_pipelined``)."""
+        """The last pipelined call, dispatched and not replied yet (:func:`pipelined`)."""
         self.ready: list[Any] | None = None
         """What a failed pipelined command left for the master's fetch (``_fetch``)."""
         self.known: dict[bytes, tuple[calls.CallPlan, Any, Program, Any, np.ndarray]] = {}
@@ -187,7 +188,7 @@ def _call(group: Group, _payload: None) -> None:
         return
     rt = _runtime(group)
     if int(group.scratch[calls.FITS]) & calls.DEFER:
-        _call_pipelined(group, rt)
+        pipelined(group, rt, lambda: _start(group, rt, pipelined=True))
         return
     done = _start(group, rt, pipelined=False)
     group.reply(done.finish() if isinstance(done, Pending) else done)
@@ -231,9 +232,10 @@ _FAILED = np.array(1)
 _READY = np.array(0)
 
 
-def _call_pipelined(group: Group, rt: Runtime) -> None:
-    """A pipelined call: dispatch it, then reply the previous pipelined call's outputs (waiting for
-    them while this call's program waits in the device queue behind it) and this call's head.
+def pipelined(group: Group, rt: Runtime, start: Callable[[], Pending | list[Any]]) -> None:
+    """A pipelined call (or collective: ``start`` dispatches it): dispatch it, then reply the previous
+    pipelined call's outputs (waiting for them while this call's program waits in the device queue
+    behind it) and this call's head.
 
     The reply: ``[lengths, *previous, *this]``, ``lengths`` = (parts of the previous call's reply,
     parts of this call's, whether this call is still pending).  A call that runs per rank (not one
@@ -243,7 +245,7 @@ def _call_pipelined(group: Group, rt: Runtime) -> None:
     ranks = rt.engine
     previous, ranks.pending, ranks.ready = ranks.pending, None, None
     try:
-        this = _start(group, rt, pipelined=True)
+        this = start()
     except BaseException:
         if previous is not None:
             try:
@@ -271,7 +273,7 @@ def _call_pipelined(group: Group, rt: Runtime) -> None:
 @handler(FETCH)
 def _fetch(group: Group, _payload: None) -> None:
     """The outputs of the last pipelined call (``[0, *reply]``), or what a failed pipelined command
-    left (``_call_pipelined``: ``[0, *reply]`` of the call before it, ``[1]`` that call
+    left (:func:`pipelined`: ``[0, *reply]`` of the call before it, ``[1]`` that call
     failed), or ``[2]``: nothing held."""
     if group.is_master:
         return

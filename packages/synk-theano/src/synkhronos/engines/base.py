@@ -52,9 +52,11 @@ class Engine(abc.ABC):
         ids ``sids``, its ``then`` call); returns what ``first`` returns."""
 
     @abc.abstractmethod
-    def collective(self, rt: Runtime, name: str, payload: dict[str, Any]) -> Any:
+    def collective(self, rt: Runtime, name: str, payload: dict[str, Any], defer: bool = False) -> Any:
         """A collective on shared variables (``name`` as in :mod:`synkhronos.collectives`,
-        ``payload["sids"]`` the variables' ids); returns what the master's side returns."""
+        ``payload["sids"]`` the variables' ids); returns what the master's side returns.
+        ``defer`` (a submitted collective, in the window's dispatch thread): the engine may return a
+        :class:`~synkhronos.inflight.Deferred` of that instead, as :meth:`call` may."""
 
     def close(self, rt: Runtime) -> None:  # noqa: B027 - optional: most engines have nothing to do
         """Before the workers stop (the group is still up; errors are logged, not raised)."""

@@ -64,8 +64,10 @@ class JaxEngine(Engine):
             chain.then._run_now(rt, (), {}, None, None, None, 1)
         return out
 
-    def collective(self, rt: Runtime, name: str, payload: dict[str, Any]) -> Any:
-        return engine_collectives.run(rt, name, payload)
+    def collective(self, rt: Runtime, name: str, payload: dict[str, Any], defer: bool = False) -> Any:
+        """A collective; ``defer``: a submitted all-reduce is pipelined (see
+        :mod:`synkhronos.engine.collectives`)."""
+        return engine_collectives.run(rt, name, payload, defer)
 
     def close(self, rt: Runtime) -> None:
         """Read every shared value (compute rank 0's) into the master's variables."""

@@ -59,7 +59,8 @@ class RanksEngine(Engine):
             own = _run(rt, plan, offset)
         return first._shape(combine_replies(rt, first._replica, own, plan), plan)
 
-    def collective(self, rt: Runtime, name: str, payload: dict[str, Any]) -> Any:
+    def collective(self, rt: Runtime, name: str, payload: dict[str, Any], defer: bool = False) -> Any:
+        """A collective; submitted ones (``defer``) run as called: the master is a rank, and takes part."""
         return rt.group.run(COLLECTIVE, (name, payload))
 
 
