@@ -270,10 +270,8 @@ fi
 # optimised HLO, the products that run between each all-reduce's start and its wait), then the calls-in-flight
 # and collective tests in GPU mode and bench_gpu's all-reduce (called and submitted) and tiny call
 if [ "$what" = overlap ]; then
-  PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 200 python3 tools/hlo_overlap.py --batch 16384 --dump "$OUT/hlo" 2>&1 \
-    | grep -v "WatchTasksAsync\|GRPC error\|CANCELLED\|UNAVAILABLE\|Source Location\|grpc_util\|^$" \
-    | tee "$OUT/hlo_overlap.log" || status=1
-  (cd "$OUT/hlo" 2>/dev/null && ls | grep -v "after_optimizations.txt$" | xargs -r rm -f)  # keep the optimised modules only
+  PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 200 python3 tools/hlo_overlap.py --batch 16384 --dump /tmp/synk-hlo \
+    --keep "$OUT/hlo_step.txt" 2>&1 | tee "$OUT/hlo_overlap.log" || status=1
   T=packages/synk-theano/tests
   SYNK_TEST_GPU=1 PYTENSOR_FLAGS=floatX=float64 timeout 150 python3 -m pytest -p no:cacheprovider -q -rs \
     $T/test_synk_inflight.py $T/test_synk_collectives.py 2>&1 | tail -n 6 | tee "$OUT/gpu_inflight_tests.log" || status=1

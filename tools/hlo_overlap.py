@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--dump", default="/tmp/synk-hlo", help="where XLA dumps the modules")
     parser.add_argument("--read", help="only read a dump made before (a folder)")
     parser.add_argument("--batch", type=int, default=16384, help="global batch of the step")
+    parser.add_argument("--keep", help="copy the step's module (optimised HLO text) to this file")
     args = parser.parse_args()
     dump = args.read or args.dump
     if not args.read:
@@ -179,6 +180,9 @@ def main() -> None:
     if entry is None:
         raise SystemExit(f"{path}: no ENTRY computation found")
     print(f"{os.path.basename(path)}: scheduled={'is_scheduled=true' in text}")
+    if args.keep:
+        with open(args.keep, "w") as f:
+            f.write(text)
     for line in report(schedule(entry, computations)):
         print(line)
     sys.stdout.flush()
