@@ -261,27 +261,30 @@ def test_a_submitted_collective_that_fails_leaves_the_group_usable(ranks):
     assert np.array_equal(synk.get_value(ranks - 1, c), np.full(3, float(ranks)))
 
 
-def test_jax_engine_pipelines_submitted_all_reduces_and_asks_shapes_once(ranks, monkeypatch):
-    """On the JAX engine a submitted all-reduce is held by the workers as a call in flight (the next
-    command brings its completion back); a loop of all-reduces asks the ranks' shapes once, and a
-    call in between makes them ask again (it may have changed a shape: here it does, per rank)."""
+def test_jax_engine_queues_submitted_all_reduces_and_asks_shapes_once(ranks, monkeypatch):
+    """On the JAX engine a submitted all-reduce is done once the workers have queued it (each keeps
+    at most QUEUED_COLLECTIVES unfinished; a pipelined call held before it comes back with its
+    command); a loop of all-reduces asks the ranks' shapes once, and a call in between makes them
+    ask again (it may have changed a shape: here it does, per rank)."""
     rt = current()
     if rt.driver.name != "jax":
         pytest.skip("the per-rank engine runs submitted collectives one by one")
     c = pytensor.shared(np.ones(4, dtype=FLOAT), name="c_pipe")
-    synk.function([], outputs=(c.sum(), "sum"))()
+    total = synk.function([], outputs=(c.sum(), "sum"))
+    total()
     synk.all_reduce(c, "sum")
     before = rt.group.commands
     for _ in range(3):
         synk.all_reduce(c, "sum")
     assert rt.group.commands - before == 3  # one command each: the shapes are known equal
     monkeypatch.setattr(inflight, "IDLE_FETCH_S", 30.0)
-    first, second = synk.all_reduce.submit(c, op="max"), synk.all_reduce.submit(c, op="sum")
-    assert first.result(timeout=10) is None
-    time.sleep(0.05)
-    assert not second.done() and rt.engine.pipelined is not None
-    assert second.result(timeout=10) is None and rt.engine.pipelined is None
-    np.testing.assert_allclose(synk.get_value(0, c), np.full(4, float(ranks) ** 5))
+    held = total.submit()  # pipelined: its outputs stay in the workers
+    futures = [synk.all_reduce.submit(c, op="sum") for _ in range(5)]
+    assert float(held.result(timeout=10)) == 4.0 * ranks ** 4 * ranks  # came back with the first all-reduce
+    assert all(f.result(timeout=10) is None for f in futures)
+    assert rt.engine.pipelined is None
+    np.testing.assert_allclose(synk.get_value(0, c), np.full(4, float(ranks) ** 9))
+    np.testing.assert_allclose(synk.get_value(ranks - 1, c), np.full(4, float(ranks) ** 9))
     x = pt.vector("x")
     take = synk.function([x], updates=[(c, x)])  # each rank keeps its own rows: 3 and 2 of 5 (2 ranks)
     take(synk.data(np.arange(2 * ranks + 1, dtype=FLOAT)))

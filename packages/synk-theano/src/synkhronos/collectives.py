@@ -18,8 +18,9 @@
 Each can also be submitted, as a function's call can (:meth:`synkhronos.Function.submit`):
 ``synk.all_reduce.submit(params, op="avg")`` returns a :class:`concurrent.futures.Future` of what
 the call returns, and the collective runs in submission order with the calls.  Under the JAX engine
-a submitted ``all_reduce`` is pipelined like a submitted call: the next command reaches the
-workers while it runs, so a loop of them keeps the devices busy.
+a submitted ``all_reduce`` is done once every worker has queued it on its device: the next command
+reaches the workers while it runs, so a loop of them keeps the devices busy
+(:mod:`synkhronos.engine.collectives`).
 
 ``vars`` is one shared variable or a list; one variable gives one result, a list a tuple.  Values
 may be :class:`~synk_shm.Data` (every rank then reads its part straight from shared memory: the
@@ -188,7 +189,7 @@ def _submittable(fn: Callable[P, R]) -> Submittable[P, R]:
         def run() -> Any:
             if current() is not rt:
                 raise RuntimeError(f"synk.{fn.__name__} was submitted to a group that is closed")
-            return fn(*args, **kwargs)  # a Deferred where the engine pipelines it
+            return fn(*args, **kwargs)
 
         return rt.window.submit(run)
 
@@ -292,7 +293,7 @@ def all_reduce(shared_vars: Any, op: str = "avg", nccl: bool = True) -> None:
     rt, variables, sids, _ = _prepare(shared_vars)
     for var in variables:
         as_op(op, var.type.dtype)
-    return _run(rt, "all_reduce", sids=sids, op=op, nccl=nccl)  # type: ignore[no-any-return]  # None, or a Deferred
+    _run(rt, "all_reduce", sids=sids, op=op, nccl=nccl)
 
 
 @_submittable

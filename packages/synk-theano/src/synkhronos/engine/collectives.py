@@ -30,12 +30,13 @@ found equal stay known (:attr:`~synkhronos.engine.master.Orchestrator.agreed`) w
 reductions and fetches follow: a loop of all-reduces asks once.
 
 A *submitted* ``all_reduce`` (``synk.all_reduce.submit``, in the window's dispatch thread) is
-pipelined as submitted calls are (:mod:`synkhronos.inflight`): each worker dispatches its program
-and replies at once, holding it as the call in flight (:func:`synkhronos.engine.worker.pipelined`);
-its completion comes back with the next pipelined command, or a fetch.  So the next command
-reaches the workers while the all-reduce runs, and the device queue does not drain between
-them.  The other collectives, submitted, run as they do when called, after the call in flight
-is fetched.
+done once every worker has queued its program behind everything before it
+(:func:`synkhronos.engine.worker.queue_collective`): its effect is what every later operation
+sees, and the next command reaches the workers while it runs, so a loop of them keeps the devices
+busy.  A worker keeps at most :data:`~synkhronos.engine.worker.QUEUED_COLLECTIVES` such programs
+unfinished (it waits for the oldest before it replies).  A failure on the devices (a peer gone)
+surfaces in a later command.  The other collectives, submitted, run as they do when called, after
+the call in flight is fetched.
 """
 
 from __future__ import annotations
@@ -51,9 +52,7 @@ from synkhronos.engine import COLLECT, master
 from synkhronos.engine.launch import ABORT_GRACE_S
 from synkhronos.engine.program import AXIS, _shard_map
 from synkhronos.engine.program import _reduce as _over_ranks
-from synkhronos.engine.worker import Pending
-from synkhronos.engine.worker import pipelined as pipelined_call
-from synkhronos.inflight import Deferred
+from synkhronos.engine.worker import Pending, queue_collective
 from synkhronos.ops import without_empty_collective
 from synkhronos.runtime import Runtime, current
 
@@ -165,9 +164,9 @@ def _all_reduce(rt: Runtime, sids: list[int], op: str, **_: Any) -> None:
     _still_equal(rt, sids, before)
 
 
-def _all_reduce_pipelined(rt: Runtime, sids: list[int], op: str, **_: Any) -> Deferred:
-    """A submitted ``all_reduce``: its command brings back the completion of the pipelined call
-    before it; returns the :class:`~synkhronos.inflight.Deferred` of its own completion."""
+def _all_reduce_pipelined(rt: Runtime, sids: list[int], op: str, **_: Any) -> None:
+    """A submitted ``all_reduce``: done once every worker has queued it (its command also brings back
+    the outputs of the pipelined call before it, if one is held)."""
     before = _check_equal(rt, sids)
     orchestrator = rt.engine
     previous, orchestrator.pipelined = orchestrator.pipelined, None
@@ -180,13 +179,9 @@ def _all_reduce_pipelined(rt: Runtime, sids: list[int], op: str, **_: Any) -> De
             master.after_failure(rt, previous, exc)
         raise
     replies = rt.group.replies()
-    parts = [replies[r + 1] for r in range(rt.size)]  # [lengths, *previous call's reply]
-    if previous is not None:
-        previous.resolve(rt, [p[1:1 + int(p[0][0])] for p in parts])
+    if previous is not None:  # [lengths, *the previous call's reply]
+        previous.resolve(rt, [replies[r + 1][1:1 + int(replies[r + 1][0][0])] for r in range(rt.size)])
     _still_equal(rt, sids, before)
-    deferred = Deferred(lambda: master.fetch(rt))
-    orchestrator.pipelined = master.PipelinedCollective(deferred)
-    return deferred
 
 
 def _set_value(rt: Runtime, sids: list[int], values: list[Any], rows: list[Any], target: int, **_: Any) -> None:
@@ -217,8 +212,8 @@ _RUN: dict[str, Callable[..., Any]] = {
 def run(rt: Runtime, name: str, payload: dict[str, Any], defer: bool = False) -> Any:
     """Collective ``name`` (checked by :mod:`synkhronos.collectives`) with its payload there;
     returns what the per-rank engine's command returns in the master.  ``defer`` (a submitted
-    collective, in the window's dispatch thread): an ``all_reduce`` is pipelined and returns a
-    :class:`~synkhronos.inflight.Deferred`; the others run after the call in flight is fetched."""
+    collective, in the window's dispatch thread): an ``all_reduce`` is only queued (see the module
+    docstring); the others run after the call in flight is fetched."""
     args = {k: v for k, v in payload.items() if k != "nccl"}
     if defer and name == "all_reduce":
         return _all_reduce_pipelined(rt, **args)
@@ -362,7 +357,7 @@ def _collect(group: Group, payload: tuple[str, list[int], Any]) -> None:
                     cast("EngineDevice", device).store(var, glob)
                 return Pending([], [], results)
 
-            pipelined_call(group, rt, start)
+            queue_collective(group, rt, start)
             return
         results = program(*_operands(rt, variables))
         jax.block_until_ready(results)

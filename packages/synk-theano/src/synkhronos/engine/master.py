@@ -33,7 +33,7 @@ from synkhronos.reduce_ops import combine
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, settled
 
-__all__ = ["Orchestrator", "PipelinedCollective", "after_failure", "call", "device_memory", "fetch", "read_value",
+__all__ = ["Orchestrator", "after_failure", "call", "device_memory", "fetch", "read_value",
            "settle", "write_value"]
 
 log = logging.getLogger("synkhronos")
@@ -53,9 +53,8 @@ class Orchestrator:
         self.fits: set[bytes] = set()
         """The plans (scratch slots) of calls whose sliceable shared variables the ranks found to fit
         one program, valid while :attr:`quiet_at` says that nothing has changed them since."""
-        self.pipelined: _Pipelined | PipelinedCollective | None = None
-        """The last pipelined call (or all-reduce), whose outputs or completion the workers still
-        hold (:func:`call` with ``defer``, :mod:`synkhronos.engine.collectives`)."""
+        self.pipelined: _Pipelined | None = None
+        """The last pipelined call, whose outputs the workers still hold (:func:`call` with ``defer``)."""
         self.agreed: set[int] = set()
         """Shared ids whose shape every rank is known to hold alike (found by a collective's
         shape check), valid while :attr:`agreed_at` equals the group's command count."""
@@ -118,21 +117,6 @@ class _Pipelined:
 
     def fail(self, exc: BaseException) -> None:
         self.deferred.fail(self.translate(exc))
-
-
-class PipelinedCollective:
-    """The master's record of a pipelined all-reduce: it completes when the workers say so (its
-    reply holds nothing)."""
-
-    def __init__(self, deferred: Deferred) -> None:
-        self.deferred = deferred
-
-    def resolve(self, rt: Runtime, parts: list[list[Any]]) -> None:
-        """Every worker finished it."""
-        self.deferred.resolve(None)
-
-    def fail(self, exc: BaseException) -> None:
-        self.deferred.fail(exc)
 
 
 def _same(exc: BaseException) -> BaseException:
@@ -236,7 +220,7 @@ def fetch(rt: Runtime) -> None:
     previous.resolve(rt, [replies[r + 1][1:] for r in range(rt.size)])
 
 
-def after_failure(rt: Runtime, previous: _Pipelined | PipelinedCollective, exc: BaseException) -> None:
+def after_failure(rt: Runtime, previous: _Pipelined, exc: BaseException) -> None:
     """A pipelined call's command failed (``exc``) while the call before it was pending: which one
     failed?  The workers kept the answer (the worker's ``FETCH`` handler).  If the earlier
     one: it fails with ``exc`` and this one raises CancelledError; else the earlier one resolves and

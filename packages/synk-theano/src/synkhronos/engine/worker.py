@@ -23,6 +23,7 @@ import this module through :mod:`synkhronos.worker`):
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import Callable
@@ -47,7 +48,7 @@ from synkhronos.engine.program import (
 )
 from synkhronos.runtime import Runtime, current, set_current
 
-__all__ = ["PIN_ENV", "Pending", "Ranks", "pins_inputs", "pipelined"]
+__all__ = ["PIN_ENV", "QUEUED_COLLECTIVES", "Pending", "Ranks", "pins_inputs", "pipelined", "queue_collective"]
 
 log = logging.getLogger("synkhronos")
 
@@ -88,6 +89,8 @@ class Ranks:
         """The last pipelined call, dispatched and not replied yet (:func:`pipelined`)."""
         self.ready: list[Any] | None = None
         """What a failed pipelined command left for the master's fetch (``_fetch``)."""
+        self.queued: collections.deque[Pending] = collections.deque()
+        """Submitted collectives queued on the device and not waited for (:func:`queue_collective`)."""
         self.known: dict[bytes, tuple[calls.CallPlan, Any, Program, Any, np.ndarray]] = {}
         """A call's plan (its scratch slots, as bytes) -> what it decoded to: (plan, replica, program,
         batch_s window, the weight replied), for plans that ran as one program and need no check
@@ -268,6 +271,40 @@ def pipelined(group: Group, rt: Runtime, start: Callable[[], Pending | list[Any]
         group.reply([np.array([len(before), len(this), 0]), *before, *this])
     if PHASES is not None:
         PHASES.mark("reply")
+
+
+QUEUED_COLLECTIVES = 2
+"""Submitted collectives a worker keeps queued on its device and unfinished (it waits for the oldest
+before it replies to a newer one): enough that the next command arrives while one runs, few enough
+to bound the memory their results hold."""
+
+
+def queue_collective(group: Group, rt: Runtime, start: Callable[[], Pending]) -> None:
+    """A submitted collective: dispatch it (``start``), reply the outputs of the pipelined call held
+    before it, if any (``[lengths, *its reply]`` as :func:`pipelined`), and keep it queued: done, as
+    far as the master knows, since everything after it runs after it on this device.  On a failure
+    the rank raises and keeps what :func:`pipelined` keeps for the master's fetch."""
+    ranks = rt.engine
+    previous, ranks.pending, ranks.ready = ranks.pending, None, None
+    before: list[Any] = []
+    try:
+        this = start()
+        if previous is not None:
+            before = previous.finish()
+            previous = None
+        ranks.queued.append(this)
+        while len(ranks.queued) > QUEUED_COLLECTIVES:
+            ranks.queued.popleft().finish()
+    except BaseException:
+        if previous is not None:  # not finished yet: whether it failed is what the master asks next
+            try:
+                before = previous.finish()
+            except BaseException:
+                ranks.ready = [_FAILED]
+                raise
+        ranks.ready = [_READY, *before] if before else None
+        raise
+    group.reply([np.array([len(before), 0, 0]), *before])
 
 
 @handler(FETCH)
