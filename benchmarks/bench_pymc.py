@@ -326,6 +326,8 @@ def main() -> None:
     parser.add_argument("--samplers", default="synk,pymc,numpyro,nutpie")
     parser.add_argument("--timeout", type=float, default=600, help="seconds each sampler may take (its row says "
                         "how far it got past them)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for all the samplers: each is stopped "
+                        "in time for the run to end within them")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
                         help="instead: the rows of these --json files in one table, compared with synk's")
@@ -355,8 +357,24 @@ def main() -> None:
           f"({cpu_model()}); each sampler {args.timeout:.0f} s at most\n", flush=True)
     print("| sampler | wall s | setup s | sampling s | min bulk ESS | ESS/s |", flush=True)
     print("|---|---|---|---|---|---|", flush=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    begun = time.monotonic()
+
+    def add(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print_row(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+
     for sampler in args.samplers.split(","):
+        timeout = args.timeout
+        if args.budget is not None:  # 15 s kept for ending a stopped sampler
+            left = args.budget - (time.monotonic() - begun) - 15
+            if left < 20:
+                add({"sampler": label(sampler, args), "key": sampler, "skipped": "not run: --budget spent"})
+                continue
+            timeout = min(timeout, left)
         child = [sys.executable, os.path.abspath(__file__), "--one", sampler, "--rows", str(args.rows),
                  "--features", str(args.features), "--draws", str(args.draws), "--tune", str(args.tune),
                  "--chains", str(args.chains), "--ranks", str(args.ranks), *(["--gpu"] if args.gpu else [])]
@@ -372,7 +390,7 @@ def main() -> None:
         proc = subprocess.Popen(child, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
         try:
-            out, err = proc.communicate(timeout=args.timeout)
+            out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             stopped_at = time.monotonic()
             os.killpg(proc.pid, signal.SIGTERM)
@@ -385,7 +403,7 @@ def main() -> None:
             row: dict[str, Any] = {"sampler": label(sampler, args), "key": sampler, "skipped": "stopped",
                                    "draws": args.chains * (args.draws + args.tune)}
             if start is None:
-                row["skipped"] = f"stopped after {args.timeout:.0f} s, before pm.sample began"
+                row["skipped"] = f"stopped after {timeout:.0f} s, before pm.sample began"
             else:
                 # pm.sample had run this long when stopped: its wall time is at least this
                 row["stopped_s"] = stopped_at - start
@@ -398,11 +416,7 @@ def main() -> None:
                        "skipped": f"failed: {err.strip().splitlines()[-1:]}"}
             else:
                 row = json.loads(found[0])
-        rows.append(row)
-        print_row(row)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+        add(row)
     if args.json and len(rows) > 1:
         print("", flush=True)
         report([args.json])
