@@ -280,12 +280,15 @@ fi
 #              (pymc: 100 + 100; pymc-gpu: 1000 + 1000)
 #   SAMPLER_S  seconds each sampler may run (default 150); a stopped sampler's row gives the draws it finished and
 #              the seconds it ran (its wall time is at least that), and --report compares it with synk's run at the
-#              same draws.  The part's budget: SAMPLER_S + 30 per sampler, 540 s in all with the evaluations (a
-#              sampler is stopped earlier where the budget ends first).
+#              same draws.  The part's budget: SAMPLER_S + 30 per sampler, PART_S (default 510) in all with the
+#              evaluations: a sampler is stopped earlier where the budget ends first (the call then takes about
+#              PART_S + 30 s with the wheels' install)
 #   EVALS=0    skips the milliseconds per logp-and-gradient evaluation at 1,000,000 rows (about 60 s)
 # Rows: $OUT/pymc[_gpu]_<samplers>.json; `python benchmarks/bench_pymc.py --report A.json B.json ...` puts the
-# rows of several calls in one table beside the first synk row.  The CPU goal at its real size, one sampler per call:
-#   SAMPLERS=synk DRAWS=1000 EVALS=0 SAMPLER_S=480 bash gpu/run_device.sh pymc      (then pymc, numpyro, nutpie)
+# rows of several calls in one table beside the first synk row.  The CPU goal at its real size (4 x (1000 + 1000)):
+#   SAMPLERS=synk,pymc DRAWS=1000 EVALS=0 SAMPLER_S=480 bash gpu/run_device.sh pymc
+# (synk whole, then PyMC's default sampler for the rest of the call: stopped, its draws against synk's at the same
+# draws -- the same chains, the same seeds), then SAMPLERS=numpyro and SAMPLERS=nutpie, a call each.
 # pymc: on the CPU cores (synk: RANKS_PYMC ranks, default 16, the 4 chains batched; PyMC's default sampler: 4 chain
 # processes; numpyro: 4 XLA host devices; nutpie).  pymc-gpu: synk in GPU mode on one GPU (the JAX engine, one rank,
 # the chains batched), numpyro on the GPU (numpyro-vec: chain_method="vectorized"; numpyro: its default, "parallel",
@@ -303,7 +306,7 @@ if [ "$what" = pymc ] || [ "$what" = pymc-gpu ]; then
     --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nutpie-*.whl .whl/arro3_core-*.whl \
     .whl/obstore-*.whl .whl/platformdirs-*.whl || status=1
   ranks=${RANKS_PYMC:-16}; [ -n "$gpu" ] && ranks=${RANKS_PYMC:-1}
-  left=540
+  left=${PART_S:-510}
   if [ "${EVALS:-1}" != 0 ]; then
     begun=$SECONDS
     timeout 120 python3 benchmarks/bench_pymc.py $gpu --evals --rows 1000000 --ranks "$ranks" --calls 30 --batch 4 2>&1 \
