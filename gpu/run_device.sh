@@ -276,14 +276,14 @@ fi
 # minutes.  The .whl folder carries PyMC 6 and its pure-Python dependencies, and nutpie with what it needs beyond the
 # image (nutpie, arro3-core, obstore, platformdirs); numpyro and JAX with CUDA are the image's.  Environment:
 #   SAMPLERS   the samplers, in turn, each in a fresh process (pymc: synk,pymc,numpyro,nutpie; pymc-gpu:
-#              synk,numpyro-vec,numpyro); ROWS (1,000,000) rows x 20 features, 4 chains x (DRAWS draws + TUNE tune)
+#              synk,numpyro-vec,numpyro,pymc); ROWS (1,000,000) rows x 20 features, 4 chains x (DRAWS draws + TUNE tune)
 #              (pymc: 100 + 100; pymc-gpu: 1000 + 1000)
 #   SAMPLER_S  seconds each sampler may run (default 150); a stopped sampler's row gives the draws it finished and
 #              the seconds it ran (its wall time is at least that), and --report compares it with synk's run at the
 #              same draws.  The part's budget: SAMPLER_S + 30 per sampler, PART_S (default 510) in all with the
 #              evaluations: a sampler is stopped earlier where the budget ends first (the call then takes about
 #              PART_S + 30 s with the wheels' install)
-#   EVALS=0    skips the milliseconds per logp-and-gradient evaluation at 1,000,000 rows (about 60 s)
+#   EVALS=0    skips the milliseconds per logp-and-gradient evaluation at ROWS rows (about 60 s)
 # Rows: $OUT/pymc[_gpu]_<samplers>.json; `python benchmarks/bench_pymc.py --report A.json B.json ...` puts the
 # rows of several calls in one table beside the first synk row.  The CPU goal at its real size (4 x (1000 + 1000)):
 #   SAMPLERS=synk,pymc DRAWS=1000 EVALS=0 SAMPLER_S=480 bash gpu/run_device.sh pymc
@@ -292,12 +292,13 @@ fi
 # pymc: on the CPU cores (synk: RANKS_PYMC ranks, default 16, the 4 chains batched; PyMC's default sampler: 4 chain
 # processes; numpyro: 4 XLA host devices; nutpie).  pymc-gpu: synk in GPU mode on one GPU (the JAX engine, one rank,
 # the chains batched), numpyro on the GPU (numpyro-vec: chain_method="vectorized"; numpyro: its default, "parallel",
-# which on one device draws the chains one after another), then nothing on the CPU unless SAMPLERS names it.
+# which on one device draws the chains one after another), then PyMC's default sampler on the CPU cores for the rest
+# of the call (a reference: stopped, its draws against synk's at the same draws).
 if [ "$what" = pymc ] || [ "$what" = pymc-gpu ]; then
   export PYTENSOR_FLAGS=floatX=float64
   gpu=""; json=pymc; samplers=${SAMPLERS:-synk,pymc,numpyro,nutpie}; draws=${DRAWS:-100}
   if [ "$what" = pymc-gpu ]; then
-    gpu="--gpu"; json=pymc_gpu; samplers=${SAMPLERS:-synk,numpyro-vec,numpyro}; draws=${DRAWS:-1000}
+    gpu="--gpu"; json=pymc_gpu; samplers=${SAMPLERS:-synk,numpyro-vec,numpyro,pymc}; draws=${DRAWS:-1000}
   else
     export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=
   fi
@@ -309,7 +310,7 @@ if [ "$what" = pymc ] || [ "$what" = pymc-gpu ]; then
   left=${PART_S:-510}
   if [ "${EVALS:-1}" != 0 ]; then
     begun=$SECONDS
-    timeout 120 python3 benchmarks/bench_pymc.py $gpu --evals --rows 1000000 --ranks "$ranks" --calls 30 --batch 4 2>&1 \
+    timeout 120 python3 benchmarks/bench_pymc.py $gpu --evals --rows "${ROWS:-1000000}" --ranks "$ranks" --calls 30 --batch 4 2>&1 \
       | tee "$OUT/${json}_evals.log" || status=1
     left=$((left - (SECONDS - begun)))
   fi
