@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | quiet | resnet | resnet-scaling | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | overlap | resnet-inflight | pymc | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | quiet | resnet | resnet-scaling | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | overlap | resnet-inflight | pymc | pymc-gpu | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -284,24 +284,55 @@ if [ "$what" = resnet-inflight ]; then
   timeout 560 python3 benchmarks/bench_resnet.py --gpus 1 --batches "${BATCHES:-128}" --precisions tf32 --skip torch,ddp \
     --in-flight 2 2>&1 | tee "$OUT/bench_resnet_inflight.log" || status=1
 fi
-# PyMC on the machine's CPU cores (synkhronos.pymc, float64 as PyMC computes), in one call of at most about 9
-# minutes: the likelihood's cost per evaluation at 1,000,000 rows (PyMC's own function; the split one at RANKS_PYMC
-# ranks, default 16; 4 chains' points in one call; the call path), then pm.sample side by side at ROWS rows (default
-# 1,000,000), 4 chains x (DRAWS draws + DRAWS tune) (default 100): synk (the 4 chains batched), PyMC's default
-# sampler (4 chain processes), numpyro and nutpie on the CPU, each sampler SAMPLER_S seconds at most (default 150),
-# each row printed as its sampler ends.  The .whl folder carries PyMC 6 and its pure-Python dependencies, and
-# nutpie with what it needs beyond the image (nutpie, arro3-core, obstore, platformdirs); numpyro is the image's.
-if [ "$what" = pymc ]; then
-  export PYTENSOR_FLAGS=floatX=float64 JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=
+# PyMC (synkhronos.pymc, float64 as PyMC computes; benchmarks/bench_pymc.py), each part in one call of at most about 9
+# minutes.  The .whl folder carries PyMC 6 and its pure-Python dependencies, and nutpie with what it needs beyond the
+# image (nutpie, arro3-core, obstore, platformdirs); numpyro and JAX with CUDA are the image's.  Environment:
+#   SAMPLERS   the samplers, in turn, each in a fresh process (pymc: synk,pymc,numpyro,nutpie; pymc-gpu:
+#              synk,numpyro-vec,numpyro,pymc); ROWS (1,000,000) rows x 20 features, 4 chains x (DRAWS draws + TUNE tune)
+#              (pymc: 100 + 100; pymc-gpu: 1000 + 1000)
+#   SAMPLER_S  seconds each sampler may run (default 150); a stopped sampler's row gives the draws it finished and
+#              the seconds it ran (its wall time is at least that), and --report compares it with synk's run at the
+#              same draws.  The part's budget: SAMPLER_S + 30 per sampler, PART_S (default 510) in all with the
+#              evaluations: a sampler is stopped earlier where the budget ends first (the call then takes about
+#              PART_S + 30 s with the wheels' install)
+#   EVALS=0    skips the milliseconds per logp-and-gradient evaluation at ROWS rows (about 60 s)
+# Rows: $OUT/pymc[_gpu]_<samplers>.json; `python benchmarks/bench_pymc.py --report A.json B.json ...` puts the
+# rows of several calls in one table beside the first synk row.  The CPU goal at its real size (4 x (1000 + 1000)):
+#   SAMPLERS=synk,pymc DRAWS=1000 EVALS=0 SAMPLER_S=480 bash gpu/run_device.sh pymc
+# (synk whole, then PyMC's default sampler for the rest of the call: stopped, its draws against synk's at the same
+# draws -- the same chains, the same seeds), then SAMPLERS=numpyro and SAMPLERS=nutpie, a call each.
+# pymc: on the CPU cores (synk: RANKS_PYMC ranks, default 16, the 4 chains batched; PyMC's default sampler: 4 chain
+# processes; numpyro: 4 XLA host devices; nutpie).  pymc-gpu: synk in GPU mode on one GPU (the JAX engine, one rank,
+# the chains batched), numpyro on the GPU (numpyro-vec: chain_method="vectorized"; numpyro: its default, "parallel",
+# which on one device draws the chains one after another), then PyMC's default sampler on the CPU cores for the rest
+# of the call (a reference: stopped, its draws against synk's at the same draws).
+if [ "$what" = pymc ] || [ "$what" = pymc-gpu ]; then
+  export PYTENSOR_FLAGS=floatX=float64
+  gpu=""; json=pymc; samplers=${SAMPLERS:-synk,pymc,numpyro,nutpie}; draws=${DRAWS:-100}
+  if [ "$what" = pymc-gpu ]; then
+    gpu="--gpu"; json=pymc_gpu; samplers=${SAMPLERS:-synk,numpyro-vec,numpyro,pymc}; draws=${DRAWS:-1000}
+  else
+    export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=
+  fi
   # a warm machine installed the wheels of an earlier call: nutpie's too, once
   python3 -c "import nutpie" 2>/dev/null || ! ls .whl/nutpie-*.whl >/dev/null 2>&1 || python3 -m pip install -q --no-index \
     --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nutpie-*.whl .whl/arro3_core-*.whl \
     .whl/obstore-*.whl .whl/platformdirs-*.whl || status=1
-  timeout 100 python3 benchmarks/bench_pymc.py --evals --rows 1000000 --ranks "${RANKS_PYMC:-16}" --calls 30 --batch 4 2>&1 \
-    | tee "$OUT/pymc_evals.log" || status=1
-  timeout 440 python3 benchmarks/bench_pymc.py --rows "${ROWS:-1000000}" --draws "${DRAWS:-100}" --tune "${DRAWS:-100}" \
-    --chains 4 --ranks "${RANKS_PYMC:-16}" --samplers synk,pymc,numpyro,nutpie --timeout "${SAMPLER_S:-150}" \
-    --json "$OUT/pymc.json" 2>&1 | tee "$OUT/pymc_sample.log" || status=1
+  ranks=${RANKS_PYMC:-16}; [ -n "$gpu" ] && ranks=${RANKS_PYMC:-1}
+  left=${PART_S:-510}
+  if [ "${EVALS:-1}" != 0 ]; then
+    begun=$SECONDS
+    timeout 120 python3 benchmarks/bench_pymc.py $gpu --evals --rows "${ROWS:-1000000}" --ranks "$ranks" --calls 30 --batch 4 2>&1 \
+      | tee "$OUT/${json}_evals.log" || status=1
+    left=$((left - (SECONDS - begun)))
+  fi
+  n=$(tr ',' '\n' <<< "$samplers" | wc -l)
+  limit=$((n * (${SAMPLER_S:-150} + 30))); [ "$limit" -gt "$left" ] && limit=$left
+  echo "samplers $samplers, each ${SAMPLER_S:-150} s at most, all $limit s at most"
+  # the benchmark stops a sampler in time to end within $limit s; the outer limit is a safety
+  timeout $((limit + 30)) python3 benchmarks/bench_pymc.py $gpu --rows "${ROWS:-1000000}" --draws "$draws" \
+    --tune "${TUNE:-$draws}" --chains 4 --ranks "$ranks" --samplers "$samplers" --timeout "${SAMPLER_S:-150}" \
+    --budget "$limit" --json "$OUT/${json}_${samplers//,/_}.json" 2>&1 | tee "$OUT/${json}_sample.log" || status=1
 fi
 # The training step on every GPU against hand-written JAX and DDP, under XLA flag variants, then
 # where the engine's step spends its host time (tools/probe_gpu_step.py)
