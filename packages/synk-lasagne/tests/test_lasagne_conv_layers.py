@@ -219,3 +219,30 @@ def test_lasagne_api_is_checked_and_02_refuses_what_01_allows():
         layers.DenseLayer((None,), 3)
     with pytest.raises(ValueError, match="shared variables"):
         get_or_compute_grads(pt.scalar("a") * 2, [pt.scalar("a")])
+
+
+def transposed3d_reference(x, W, stride, crop):
+    """Each input voxel adds x[:, c, i, j, k] * W[c, f] (flipped: the transpose of a true
+    convolution) at i * stride - crop + a along each axis."""
+    K = W[:, :, ::-1, ::-1, ::-1]
+    size = [(n - 1) * s + k for n, s, k in zip(x.shape[2:], stride, W.shape[2:])]
+    full = np.zeros((x.shape[0], W.shape[1], *size))
+    for i, j, k in np.ndindex(*x.shape[2:]):
+        a, b, c = i * stride[0], j * stride[1], k * stride[2]
+        full[:, :, a:a + W.shape[2], b:b + W.shape[3], c:c + W.shape[4]] += np.einsum(
+            "bc,cfijk->bfijk", x[:, :, i, j, k], K)
+    return full[:, :, crop[0]:size[0] - crop[0], crop[1]:size[1] - crop[1], crop[2]:size[2] - crop[2]]
+
+
+def test_transposed_conv3d_matches_a_scatter_add():
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(2, 3, 3, 4, 2))
+    W = rng.normal(size=(3, 2, 2, 3, 2))  # (channels, filters, depth, rows, columns)
+    l_in = layers.InputLayer((None, 3, 3, 4, 2))
+    layer = layers.TransposedConv3DLayer(l_in, 2, (2, 3, 2), stride=(2, 1, 2), crop=(0, 1, 0), W=W, b=None,
+                                         nonlinearity=None)
+    got = pytensor.function([l_in.input_var], layers.get_output(layer), **FAST)(x)
+    expected = transposed3d_reference(x, W, (2, 1, 2), (0, 1, 0))
+    assert got.shape == expected.shape == (2, *layer.output_shape[1:]) == (2, 2, 6, 4, 4)
+    np.testing.assert_allclose(got, expected, atol=1e-10)
+    assert layers.Deconv3DLayer is layers.TransposedConv3DLayer

@@ -1,5 +1,6 @@
 """Convolution layers: :class:`BaseConvLayer`, :class:`Conv1DLayer`, :class:`Conv2DLayer`, :class:`Conv3DLayer`,
-:class:`TransposedConv2DLayer` (:class:`Deconv2DLayer`), :class:`DilatedConv2DLayer` (on
+:class:`TransposedConv2DLayer` (:class:`Deconv2DLayer`), :class:`TransposedConv3DLayer` (:class:`Deconv3DLayer`),
+:class:`DilatedConv2DLayer` (on
 :func:`synk_lasagne.conv.conv2d`)."""
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from synk_lasagne.conv import conv_output_length as _padded_length
 from synk_lasagne.init import GLOROT_UNIFORM, ZEROS
 from synk_lasagne.layers.base import Layer
 
-__all__ = ["BaseConvLayer", "Conv1DLayer", "Conv2DLayer", "Conv3DLayer", "Deconv2DLayer", "DilatedConv2DLayer",
-           "TransposedConv2DLayer", "conv_input_length", "conv_output_length"]
+__all__ = ["BaseConvLayer", "Conv1DLayer", "Conv2DLayer", "Conv3DLayer", "Deconv2DLayer", "Deconv3DLayer",
+           "DilatedConv2DLayer", "TransposedConv2DLayer", "TransposedConv3DLayer", "conv_input_length",
+           "conv_output_length"]
 
 
 def conv_output_length(input_length: Any, filter_size: int, stride: int, pad: Any = 0) -> Any:
@@ -510,22 +512,106 @@ class Conv3DLayer(BaseConvLayer):
 
     def convolve(self, input: Any, **kwargs: Any) -> Any:
         """The convolution alone (no bias, no nonlinearity)."""
+        W = self.W[:, :, ::-1, ::-1, ::-1] if self.flip_filters else self.W
+        return _correlate3d(input, W, (self.num_filters, *self.filter_size), self.stride, self._pads, self.num_groups)
+
+
+def _correlate3d(input: Any, W: Any, sizes: tuple[int, ...], stride: tuple[int, ...], pads: tuple[int, ...],
+                 groups: int) -> Any:
+    """The 3-d cross-correlation of ``input`` ``(batch, channels, depth, rows, columns)`` with ``W``
+    ``(filters, channels // groups, depth, rows, columns)`` (``sizes``: the filters and their
+    depth, rows and columns), ``pads`` zeros on both sides of each
+    spatial axis: one :func:`~synk_lasagne.conv.conv2d` per depth tap, over every output depth at
+    once (the depths folded into the batch), summed."""
+    import pytensor.tensor as pt
+
+    depth_pad, row_pad, col_pad = pads
+    if depth_pad:
+        input = pt.pad(input, [(0, 0), (0, 0), (depth_pad, depth_pad), (0, 0), (0, 0)])
+    batch, channels = input.shape[0], input.shape[1]
+    filters, kd, sd = sizes[0], sizes[1], stride[0]
+    depth = (input.shape[2] - kd) // sd + 1
+    total = None
+    for k in range(kd):
+        taps = input[:, :, k:k + sd * (depth - 1) + 1:sd]  # (batch, channels, depth, rows, columns)
+        folded = taps.dimshuffle(0, 2, 1, 3, 4).reshape((-1, channels, taps.shape[3], taps.shape[4]))
+        conved = conv2d(folded, W[:, :, k], stride=stride[1:], pad=(row_pad, col_pad), groups=groups)
+        term = conved.reshape((batch, depth, filters, conved.shape[2], conved.shape[3]))
+        total = term if total is None else total + term
+    assert total is not None
+    return total.dimshuffle(0, 2, 1, 3, 4)
+
+
+class TransposedConv3DLayer(BaseConvLayer):
+    """The transpose of a 3-d convolution (Lasagne's; upsampling by ``stride``): the gradient of
+    :class:`Conv3DLayer`'s convolution of ``z`` (``pad=crop``) with respect to ``z``, applied to the
+    input.
+
+    ``W`` is ``(channels, num_filters, depth, rows, columns)``, the filters of the convolution this
+    layer transposes.  The output is ``(in - 1) * stride + filter_size - 2 * crop`` long along each
+    spatial axis (:func:`conv_input_length`), or ``output_size``.
+
+    Parameters
+    ----------
+    incoming : Layer or tuple
+    num_filters : int
+    filter_size, stride : int or (int, int, int)
+    crop : {"valid", "full", "same"}, int or (int, int, int)
+        As a convolution's ``pad``.
+    untie_biases, b, nonlinearity
+        As for :class:`Conv2DLayer`.
+    W : initialiser, array or shared variable
+        ``(channels, num_filters, depth, rows, columns)``.
+    flip_filters : bool
+        False (Lasagne's default): the transpose of a true convolution; True: of a cross-correlation.
+    output_size : int, 3 ints or symbolic vector of 3 ints, optional
+        As for :class:`TransposedConv2DLayer`.
+    """
+
+    def __init__(self, incoming: Any, num_filters: int, filter_size: Any, stride: Any = (1, 1, 1), crop: Any = 0,
+                 untie_biases: bool = False, W: Any = GLOROT_UNIFORM, b: Any = ZEROS,
+                 nonlinearity: Any = nonlinearities.rectify, flip_filters: bool = False, output_size: Any = None,
+                 **kwargs: Any) -> None:
+        from pytensor.graph.basic import Variable
+
+        from synk_lasagne.utils import as_tuple, int_types
+
+        self.output_size: Any = (output_size if output_size is None or isinstance(output_size, Variable)
+                                 else tuple(int(s) for s in as_tuple(output_size, 3, int_types)))
+        super().__init__(incoming, num_filters, filter_size, stride, crop, untie_biases, W, b, nonlinearity,
+                         flip_filters, n=3, **kwargs)
+        self.crop = self.pad
+
+    def get_W_shape(self) -> tuple[int, ...]:
+        """``W``'s shape: ``(channels, num_filters, *filter_size)``."""
+        return (self.input_shape[1], self.num_filters, *self.filter_size)
+
+    def get_output_shape_for(self, input_shape: Any) -> tuple[Any, ...]:
+        from pytensor.graph.basic import Variable
+
+        if isinstance(self.output_size, Variable):  # known when the graph runs
+            return (input_shape[0], self.num_filters, None, None, None)
+        if self.output_size is not None:
+            return (input_shape[0], self.num_filters, *self.output_size)
+        spatial = (conv_input_length(length, k, s, p) for length, k, s, p in
+                   zip(input_shape[2:], self.filter_size, self.stride, self._axis_pads()))
+        return (input_shape[0], self.num_filters, *spatial)
+
+    def convolve(self, input: Any, **kwargs: Any) -> Any:
+        """The transposed convolution alone (no bias, no nonlinearity)."""
+        import pytensor
         import pytensor.tensor as pt
 
-        W = self.W[:, :, ::-1, ::-1, ::-1] if self.flip_filters else self.W
-        depth_pad, row_pad, col_pad = self._pads
-        if depth_pad:
-            input = pt.pad(input, [(0, 0), (0, 0), (depth_pad, depth_pad), (0, 0), (0, 0)])
-        batch, channels = input.shape[0], input.shape[1]
-        kd, sd = self.filter_size[0], self.stride[0]
-        depth = (input.shape[2] - kd) // sd + 1
-        total = None
-        for k in range(kd):
-            taps = input[:, :, k:k + sd * (depth - 1) + 1:sd]  # (batch, channels, depth, rows, columns)
-            folded = taps.dimshuffle(0, 2, 1, 3, 4).reshape((-1, channels, taps.shape[3], taps.shape[4]))
-            conved = conv2d(folded, W[:, :, k], stride=self.stride[1:], pad=(row_pad, col_pad),
-                            groups=self.num_groups)
-            term = conved.reshape((batch, depth, self.num_filters, conved.shape[2], conved.shape[3]))
-            total = term if total is None else total + term
-        assert total is not None
-        return total.dimshuffle(0, 2, 1, 3, 4)
+        input = pt.as_tensor_variable(input)
+        if self.output_size is not None:
+            size = [self.output_size[i] for i in range(3)]
+        else:
+            size = list(self.get_output_shape_for((None, None, *(input.shape[i] for i in range(2, 5))))[2:])
+        z = pt.zeros((input.shape[0], self.num_filters, *size), dtype=input.dtype)
+        filters = self.W if self.flip_filters else self.W[:, :, ::-1, ::-1, ::-1]
+        forward = _correlate3d(z, filters, (self.input_shape[1], *self.filter_size), self.stride,
+                               self._axis_pads(), 1)
+        return pytensor.grad(None, wrt=z, known_grads={forward: input})
+
+
+Deconv3DLayer = TransposedConv3DLayer
