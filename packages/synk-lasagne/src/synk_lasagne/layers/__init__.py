@@ -10,7 +10,8 @@ dense                           :class:`DenseLayer`
 convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stride, pad, dilation, groups,
                                 flip_filters), :class:`TransposedConv2DLayer` (:class:`Deconv2DLayer`),
                                 :class:`DilatedConv2DLayer`, :class:`Conv3DLayer`, :class:`TransposedConv3DLayer`
-                                (:class:`Deconv3DLayer`), :class:`LocallyConnected2DLayer`
+                                (:class:`Deconv3DLayer`), :class:`LocallyConnected2DLayer`, their base
+                                :class:`BaseConvLayer`
 pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
                                 :class:`Pool2DLayer`, :class:`MaxPool3DLayer`, :class:`Pool3DLayer`,
                                 :class:`GlobalPoolLayer`,
@@ -66,6 +67,7 @@ from synk_lasagne.layers.base import (
     state_alias,
 )
 from synk_lasagne.layers.conv import (
+    BaseConvLayer,
     Conv1DLayer,
     Conv2DLayer,
     Conv3DLayer,
@@ -156,7 +158,7 @@ from synk_lasagne.layers.special import (
     standardize,
 )
 
-__all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "Conv3DLayer",
+__all__ = ["BaseConvLayer", "BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "Conv3DLayer",
            "CustomRecurrentLayer", "Deconv2DLayer", "Deconv3DLayer", "DenseLayer", "DilatedConv2DLayer",
            "DimshuffleLayer", "DropoutLayer", "ElemwiseMergeLayer", "ElemwiseSumLayer", "EmbeddingLayer",
            "ExpressionLayer", "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate",

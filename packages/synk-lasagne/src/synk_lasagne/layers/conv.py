@@ -549,7 +549,7 @@ class TransposedConv3DLayer(BaseConvLayer):
 
     ``W`` is ``(channels, num_filters, depth, rows, columns)``, the filters of the convolution this
     layer transposes.  The output is ``(in - 1) * stride + filter_size - 2 * crop`` long along each
-    spatial axis (:func:`conv_input_length`), or ``output_size``.
+    spatial axis (``synk_lasagne.layers.conv.conv_input_length``), or ``output_size``.
 
     Parameters
     ----------
