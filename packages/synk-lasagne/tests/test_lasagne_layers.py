@@ -36,7 +36,7 @@ def test_dense_layer_values_and_flattening():
         layers.DenseLayer(layers.InputLayer((None, None)), 3)
 
 
-@pytest.mark.parametrize("kwargs", [{"pad": "same"}, {"pad": "valid", "stride": 2}, {"pad": "full"},
+@pytest.mark.parametrize("kwargs", [{"pad": "same", "dilation": 2}, {"pad": "valid", "stride": 2}, {"pad": "full"},
                                     {"pad": 1, "dilation": 2}, {"pad": (2, 1), "num_groups": 2}])
 def test_conv_layer_matches_numpy_and_its_output_shape(kwargs):
     net = layers.InputLayer((None, 2, 7, 6))

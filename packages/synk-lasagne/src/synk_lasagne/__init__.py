@@ -28,6 +28,9 @@ Training (:mod:`synk_lasagne.training`, :mod:`synk_lasagne.trainer`)
     (epochs, validation, progress bar, checkpoints, early stopping, exact resume), its callbacks
     :class:`Schedule`, :class:`CSVLogger`, :class:`TensorBoardLogger`, :func:`set_in_every_rank`
     (a shared variable's value in every rank), :func:`save_checkpoint`, :func:`load_checkpoint`
+Lasagne 0.1 (:mod:`synk_lasagne.api`)
+    :func:`set_lasagne_api` (or ``SYNK_LASAGNE_API=0.1``): Lasagne 0.1's behaviour where 0.2 changed
+    it, for a script written for Lasagne 0.1
 Data (:mod:`synk_lasagne.mnist`)
     MNIST IDX files, or scikit-learn's digits (extra ``synk-lasagne[mnist]``)
 
@@ -49,6 +52,7 @@ Example
 from typing import Any
 
 from synk_lasagne import mnist, updates
+from synk_lasagne.api import lasagne_api, set_lasagne_api
 from synk_lasagne.trainer import (
     Callback,
     CSVLogger,
@@ -62,9 +66,9 @@ from synk_lasagne.trainer import (
 from synk_lasagne.training import EvalFunction, TrainFunction, make_eval_function, make_train_function
 
 __all__ = ["CSVLogger", "Callback", "EvalFunction", "Schedule", "TensorBoardLogger", "TrainFunction",
-           "Trainer", "conv", "init", "layers", "load_checkpoint",
-           "make_eval_function", "make_train_function", "mnist", "nonlinearities", "objectives", "pool", "random",
-           "regularization", "save_checkpoint", "set_in_every_rank", "theano_extensions", "updates", "utils"]
+           "Trainer", "api", "conv", "init", "lasagne_api", "layers", "load_checkpoint", "make_eval_function",
+           "make_train_function", "mnist", "nonlinearities", "objectives", "pool", "random", "regularization",
+           "save_checkpoint", "set_in_every_rank", "set_lasagne_api", "theano_extensions", "updates", "utils"]
 
 _LAZY = {"conv", "init", "layers", "nonlinearities", "objectives", "pool", "random", "regularization",
          "theano_extensions", "utils"}

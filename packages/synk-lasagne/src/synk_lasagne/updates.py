@@ -265,15 +265,20 @@ def get_or_compute_grads(loss_or_grads: Any, params: Sequence[Any]) -> Any:
     Raises
     ------
     ValueError
-        If a parameter is not a shared variable, or the list of gradients has the wrong length.
+        If a parameter is not a shared variable (under Lasagne 0.1's behaviour,
+        :func:`synk_lasagne.set_lasagne_api`, any variable is taken), or the list of gradients has
+        the wrong length.
     """
     import pytensor
     from pytensor.compile.sharedvalue import SharedVariable
 
+    from synk_lasagne.api import lasagne_api
+
     params = list(params)
-    if any(not isinstance(p, SharedVariable) for p in params):
+    if lasagne_api() != "0.1" and any(not isinstance(p, SharedVariable) for p in params):
         raise ValueError("params must contain shared variables only (they are updated in place); if it holds "
-                         "other variables, compute the gradients with pytensor.grad and pass them instead")
+                         "other variables, compute the gradients with pytensor.grad and pass them instead (or "
+                         "follow Lasagne 0.1, which took any variable: synk_lasagne.set_lasagne_api('0.1'))")
     if isinstance(loss_or_grads, (list, tuple)):
         if len(loss_or_grads) != len(params):
             raise ValueError(f"Got {len(loss_or_grads)} gradient expressions for {len(params)} parameters")

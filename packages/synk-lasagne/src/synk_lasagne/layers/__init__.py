@@ -9,7 +9,9 @@ input                           :class:`InputLayer`
 dense                           :class:`DenseLayer`
 convolution                     :class:`Conv1DLayer`, :class:`Conv2DLayer` (stride, pad, dilation, groups,
                                 flip_filters), :class:`TransposedConv2DLayer` (:class:`Deconv2DLayer`),
-                                :class:`DilatedConv2DLayer`, :class:`Conv3DLayer`, :class:`LocallyConnected2DLayer`
+                                :class:`DilatedConv2DLayer`, :class:`Conv3DLayer`, :class:`TransposedConv3DLayer`
+                                (:class:`Deconv3DLayer`), :class:`LocallyConnected2DLayer`, their base
+                                :class:`BaseConvLayer`
 pooling                         :class:`MaxPool1DLayer`, :class:`Pool1DLayer`, :class:`MaxPool2DLayer`,
                                 :class:`Pool2DLayer`, :class:`MaxPool3DLayer`, :class:`Pool3DLayer`,
                                 :class:`GlobalPoolLayer`,
@@ -65,12 +67,15 @@ from synk_lasagne.layers.base import (
     state_alias,
 )
 from synk_lasagne.layers.conv import (
+    BaseConvLayer,
     Conv1DLayer,
     Conv2DLayer,
     Conv3DLayer,
     Deconv2DLayer,
+    Deconv3DLayer,
     DilatedConv2DLayer,
     TransposedConv2DLayer,
+    TransposedConv3DLayer,
 )
 from synk_lasagne.layers.dense import DenseLayer, NINLayer
 from synk_lasagne.layers.embedding import EmbeddingLayer
@@ -153,19 +158,18 @@ from synk_lasagne.layers.special import (
     standardize,
 )
 
-__all__ = ["BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "Conv3DLayer",
-           "CustomRecurrentLayer", "Deconv2DLayer", "DenseLayer", "DilatedConv2DLayer", "DimshuffleLayer",
-           "DropoutLayer", "ElemwiseMergeLayer", "ElemwiseSumLayer", "EmbeddingLayer", "ExpressionLayer",
-           "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate", "GaussianNoiseLayer",
-           "GlobalPoolLayer", "InputLayer", "InverseLayer", "LSTMLayer", "Layer", "LocalResponseNormalization2DLayer",
-           "LocallyConnected2DLayer", "MaxPool1DLayer", "MaxPool2DLayer", "MaxPool3DLayer", "MergeLayer", "NINLayer",
-           "NonlinearityLayer", "PadLayer", "ParametricRectifierLayer", "Pool1DLayer", "Pool2DLayer", "Pool3DLayer",
-           "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer", "ScaleLayer", "SliceLayer",
-           "SpatialPyramidPoolingLayer", "StandardizationLayer", "TPSTransformerLayer", "TransformerLayer",
-           "TransposedConv2DLayer", "Upscale1DLayer", "Upscale2DLayer", "Upscale3DLayer", "add_state_updates",
-           "autocrop", "autocrop_array_shapes", "average_running_statistics", "batch_norm", "concat", "count_params",
-           "dimshuffle", "draw_generator", "dropout", "dropout_channels", "dropout_locations", "flatten",
-           "get_all_layers",
-           "get_all_param_values", "get_all_params", "get_output", "get_output_shape", "get_running_statistics",
-           "get_state_updates", "instance_norm", "layer_norm", "pad", "prelu", "reshape", "rrelu",
-           "set_all_param_values", "spatial_dropout", "standardize", "state_alias"]
+__all__ = ["BaseConvLayer", "BatchNormLayer", "BiasLayer", "ConcatLayer", "Conv1DLayer", "Conv2DLayer", "Conv3DLayer",
+           "CustomRecurrentLayer", "Deconv2DLayer", "Deconv3DLayer", "DenseLayer", "DilatedConv2DLayer",
+           "DimshuffleLayer", "DropoutLayer", "ElemwiseMergeLayer", "ElemwiseSumLayer", "EmbeddingLayer",
+           "ExpressionLayer", "FeaturePoolLayer", "FeatureWTALayer", "FlattenLayer", "GRULayer", "Gate",
+           "GaussianNoiseLayer", "GlobalPoolLayer", "InputLayer", "InverseLayer", "LSTMLayer", "Layer",
+           "LocalResponseNormalization2DLayer", "LocallyConnected2DLayer", "MaxPool1DLayer", "MaxPool2DLayer",
+           "MaxPool3DLayer", "MergeLayer", "NINLayer", "NonlinearityLayer", "PadLayer", "ParametricRectifierLayer",
+           "Pool1DLayer", "Pool2DLayer", "Pool3DLayer", "RandomizedRectifierLayer", "RecurrentLayer", "ReshapeLayer",
+           "ScaleLayer", "SliceLayer", "SpatialPyramidPoolingLayer", "StandardizationLayer", "TPSTransformerLayer",
+           "TransformerLayer", "TransposedConv2DLayer", "TransposedConv3DLayer", "Upscale1DLayer", "Upscale2DLayer",
+           "Upscale3DLayer", "add_state_updates", "autocrop", "autocrop_array_shapes", "average_running_statistics",
+           "batch_norm", "concat", "count_params", "dimshuffle", "draw_generator", "dropout", "dropout_channels",
+           "dropout_locations", "flatten", "get_all_layers", "get_all_param_values", "get_all_params", "get_output",
+           "get_output_shape", "get_running_statistics", "get_state_updates", "instance_norm", "layer_norm", "pad",
+           "prelu", "reshape", "rrelu", "set_all_param_values", "spatial_dropout", "standardize", "state_alias"]

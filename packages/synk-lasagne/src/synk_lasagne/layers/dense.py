@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from synk_lasagne import nonlinearities
+from synk_lasagne.api import lasagne_api
 from synk_lasagne.init import GLOROT_UNIFORM, ZEROS
 from synk_lasagne.layers.base import Layer
 from synk_lasagne.layers.shape import merge_trailing
@@ -29,7 +30,9 @@ class DenseLayer(Layer):
     nonlinearity : callable or None
         Default :func:`~synk_lasagne.nonlinearities.rectify`; None: linear.
     num_leading_axes : int
-        Axes kept (1: one row per example).
+        Axes kept (1: one row per example).  At most ``ndim - 1``; under Lasagne 0.1's behaviour
+        (:func:`synk_lasagne.set_lasagne_api`) also ``ndim``: each value is one example of one
+        input feature, ``W`` is ``(1, num_units)`` (Lasagne 0.1 built a dense layer on a 1-d input so).
     """
 
     def __init__(self, incoming: Any, num_units: int, W: Any = GLOROT_UNIFORM,
@@ -39,13 +42,17 @@ class DenseLayer(Layer):
         self.nonlinearity = nonlinearities.identity if nonlinearity is None else nonlinearity
         self.num_units = int(num_units)
         ndim = len(self.input_shape)
-        if num_leading_axes >= ndim:
+        if num_leading_axes == ndim and lasagne_api() == "0.1":
+            self.num_leading_axes = ndim  # no trailing axes: one feature per example, as in Lasagne 0.1
+        elif num_leading_axes >= ndim:
             raise ValueError(f"num_leading_axes={num_leading_axes} for a {ndim}-d input shape {self.input_shape}: "
-                             "leaving no trailing axes for the dot product (use at most ndim - 1)")
-        if num_leading_axes < -ndim + 1 or num_leading_axes == 0:
+                             "leaving no trailing axes for the dot product (use at most ndim - 1; Lasagne 0.1's "
+                             "dense layer on a 1-d input: synk_lasagne.set_lasagne_api('0.1'))")
+        elif num_leading_axes < -ndim + 1 or num_leading_axes == 0:
             raise ValueError(f"num_leading_axes={num_leading_axes} for a {ndim}-d input shape {self.input_shape}: "
                              "requesting more trailing axes than there are input dimensions, or none leading")
-        self.num_leading_axes = num_leading_axes % ndim
+        else:
+            self.num_leading_axes = num_leading_axes % ndim
         trailing = self.input_shape[self.num_leading_axes:]
         if any(s is None for s in trailing):
             raise ValueError(f"A DenseLayer requires a fixed input shape (except for the leading axes): the lengths "
@@ -61,7 +68,9 @@ class DenseLayer(Layer):
     def get_output_for(self, input: Any, **kwargs: Any) -> Any:
         import pytensor.tensor as pt
 
-        if input.ndim > self.num_leading_axes + 1:
+        if input.ndim == self.num_leading_axes:  # no trailing axes (Lasagne 0.1): one feature per example
+            input = pt.shape_padright(input)
+        elif input.ndim > self.num_leading_axes + 1:
             input = merge_trailing(input, self.num_leading_axes + 1, self.input_shape)
         activation = pt.dot(input, self.W)
         if self.b is not None:
