@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
 import numpy as np
@@ -370,6 +371,22 @@ def test_worker_killed_during_a_collective(run, request):
     t0 = time.monotonic()
     with pytest.raises(synk.WorkerDiedError) as info:
         synk.all_reduce([run.a, run.b], op="sum")
+    record(request, time.monotonic() - t0)
+    assert_dead_group(run, info)
+
+
+@pytest.mark.reliability("fault", SY)
+def test_worker_killed_during_a_submitted_collective(run, request):
+    """Rank 1 dies inside a submitted all_reduce (``synk.all_reduce.submit``) with another submitted
+    behind it: the first's future raises WorkerDiedError, the second's that or CancelledError."""
+    run.arm("reduce" if ENGINE else "all_reduce/1", "kill")
+    t0 = time.monotonic()
+    first = synk.all_reduce.submit([run.a, run.b], op="sum")
+    behind = synk.all_reduce.submit(run.a, op="sum")
+    with pytest.raises(synk.WorkerDiedError) as info:
+        first.result(timeout=PROMISE_S)
+    with pytest.raises((synk.WorkerDiedError, CancelledError)):
+        behind.result(timeout=PROMISE_S)
     record(request, time.monotonic() - t0)
     assert_dead_group(run, info)
 
