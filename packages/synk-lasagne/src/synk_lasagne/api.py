@@ -19,6 +19,9 @@ Under ``"0.1"`` (everything else stays 0.2's):
 * :func:`~synk_lasagne.updates.get_or_compute_grads` accepts parameters that are not shared
   variables and returns their gradients (0.2 raises ``ValueError``; the update rules still need
   shared variables, which they update).
+* A convolution layer with ``pad="same"`` and an even filter size pads ``size // 2`` before and
+  ``(size - 1) // 2`` after, so the output is as long as the input (0.2 raises
+  ``NotImplementedError``).
 """
 
 from __future__ import annotations
