@@ -44,7 +44,8 @@ from synk_shm import Data
 from synkhronos.calls import as_index_array, normalise_positions
 from synkhronos.data_registry import data_id, flush_dropped
 from synkhronos.protocol import COLLECTIVE
-from synkhronos.runtime import Runtime, current, describe, get_runtime, rank_runtime
+from synkhronos.runtime import Runtime, describe, get_runtime, rank_runtime
+from synkhronos.runtime import submit as submit_to_group
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce", "set_value",
            "get_value", "get_lengths", "get_shapes"]
@@ -181,17 +182,7 @@ def _submittable(fn: Callable[P, R]) -> Submittable[P, R]:
     """``fn`` with a ``submit`` of the same arguments: a Future of its result, in submission order."""
 
     def submit(*args: P.args, **kwargs: P.kwargs) -> Future[R]:
-        rt = current()
-        if rt is None or rt.group.closed:
-            get_runtime()  # raises the RuntimeError that says what to do
-        assert rt is not None
-
-        def run() -> Any:
-            if current() is not rt:
-                raise RuntimeError(f"synk.{fn.__name__} was submitted to a group that is closed")
-            return fn(*args, **kwargs)
-
-        return rt.window.submit(run)
+        return submit_to_group(f"synk.{fn.__name__}", lambda: fn(*args, **kwargs))
 
     submit.__doc__ = (f"Submit :func:`{fn.__name__}`: the same arguments; returns a :class:`concurrent.futures.Future` "
                       "of its result (see :meth:`synkhronos.Function.submit`).")

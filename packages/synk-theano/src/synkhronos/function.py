@@ -29,7 +29,7 @@ from synkhronos.engine.phases import PHASES
 from synkhronos.errors import DivergentGradientError
 from synkhronos.inflight import Deferred
 from synkhronos.replica import Replica
-from synkhronos.runtime import Runtime, current, describe, get_runtime
+from synkhronos.runtime import Runtime, current, describe, get_runtime, submit
 from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
 
 __all__ = ["Function", "function"]
@@ -191,25 +191,18 @@ class Function:
         >>> pending = [step.submit(x_data, batch=b) for b in batches]    # doctest: +SKIP
         >>> losses = [float(p.result()) for p in pending]                 # doctest: +SKIP
         """
-        rt = current()
-        if rt is None or rt.group.closed:
-            get_runtime()  # raises the RuntimeError that says what to do
-        assert rt is not None
         if type(batch) is np.ndarray:
             batch = batch.copy()  # the caller may reuse its index array for the next batch
         args, kwargs = tuple(args), dict(kwargs)
 
-        def run() -> Any:
-            if current() is not rt:
-                get_runtime()
-                raise RuntimeError(f"{self!r} was submitted to a group that is closed")
-            if rt.group.closed:
-                get_runtime()  # the RuntimeError that says the group is closed
+        def run() -> Any:  # the group it was submitted to (synkhronos.runtime.submit checks)
+            rt = current()
+            assert rt is not None
             if PHASES is not None:
                 PHASES.begin()
             return self._run_now(rt, args, kwargs, output_subset, batch, batch_s, num_slices, defer=True)
 
-        return rt.window.submit(run)
+        return submit(repr(self), run)
 
     def _run_now(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any, batch: Any,
                  batch_s: Any, num_slices: Any, defer: bool = False) -> Any:

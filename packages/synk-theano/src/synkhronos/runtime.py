@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, cast
 
 from synk_comm import Group
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from synkhronos.engines.base import Engine
     from synkhronos.replica import Replica
 
-__all__ = ["Runtime", "get_runtime", "current", "rank_runtime", "settled"]
+__all__ = ["Runtime", "get_runtime", "current", "rank_runtime", "settled", "submit"]
 
 log = logging.getLogger("synkhronos")
 
@@ -106,6 +108,26 @@ def get_runtime() -> Runtime:
         raise RuntimeError("the Synkhronos group is closed (a worker died, or close() was called): "
                            "call synk.close() and synk.fork() again")
     return _runtime
+
+
+def submit(what: str, fn: Callable[[], Any]) -> Future[Any]:
+    """Queue ``fn`` (an operation of the group; ``what`` names it in errors) on this process's window
+    of submitted calls (:mod:`synkhronos.inflight`); RuntimeError that says what to do if there is no
+    open group now, or if the group it was submitted to is closed when its turn comes."""
+    rt = _runtime
+    if rt is None or rt.group.closed:
+        get_runtime()  # raises the RuntimeError that says what to do
+    assert rt is not None
+
+    def run() -> Any:
+        if _runtime is not rt:
+            get_runtime()
+            raise RuntimeError(f"{what} was submitted to a group that is closed")
+        if rt.group.closed:
+            get_runtime()  # the RuntimeError that says the group is closed
+        return fn()
+
+    return rt.window.submit(run)
 
 
 def describe(obj: Any) -> str:

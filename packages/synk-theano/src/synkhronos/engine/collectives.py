@@ -300,12 +300,14 @@ def _assign(rt: Runtime, variables: list[Any], values: list[Any], rows: list[Any
         rt.device.set(var, value)
 
 
-def _store(rt: Runtime, variables: list[Any], results: Any) -> None:
-    """Keep a program's results as the variables' values, once it has finished: a failure inside
-    it (a peer gone from the collective) surfaces in this command, as in a call."""
+def _store(rt: Runtime, variables: list[Any], results: Any, wait: bool = True) -> None:
+    """Keep a program's results as the variables' values, once it has finished (``wait``: a failure
+    inside it, a peer gone from the collective, surfaces in this command, as in a call), or as
+    dispatched (a submitted all-reduce, :func:`synkhronos.engine.worker.queue_collective`)."""
     import jax
 
-    jax.block_until_ready(results)
+    if wait:
+        jax.block_until_ready(results)
     device = cast("EngineDevice", rt.device)
     for var, glob in zip(variables, results):
         device.store(var, glob)
@@ -353,8 +355,7 @@ def _collect(group: Group, payload: tuple[str, list[int], Any]) -> None:
         if pipelined:  # stored as dispatched; its end is waited for with the next pipelined command
             def start() -> Pending:
                 results = program(*_operands(rt, variables))
-                for var, glob in zip(variables, results):
-                    cast("EngineDevice", device).store(var, glob)
+                _store(rt, variables, results, wait=False)
                 return Pending([], [], results)
 
             queue_collective(group, rt, start)

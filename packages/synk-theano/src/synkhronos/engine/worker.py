@@ -14,7 +14,7 @@ import this module through :mod:`synkhronos.worker`):
   A *pipelined* call (bit :data:`~synkhronos.calls.DEFER` of the plan's flags slot, a submitted
   call: :mod:`synkhronos.inflight`) is dispatched and held (:class:`Pending`); the rank replies
   the outputs of the pipelined call before it, which it waits for only after this call's program
-  is queued behind it (:func:`pipelined`).
+  is queued behind it (:func:`_call_pipelined`).
 * ``FETCH`` -- the outputs of the pipelined call held, when no call follows it (``_fetch``).
 * ``VALUE`` -- shared variables' values: read one rank's (``get``) or every rank's (``read``),
   set them (``assign``: the same in every rank, or one per rank); or every rank's device memory
@@ -48,7 +48,7 @@ from synkhronos.engine.program import (
 )
 from synkhronos.runtime import Runtime, current, set_current
 
-__all__ = ["PIN_ENV", "QUEUED_COLLECTIVES", "Pending", "Ranks", "pins_inputs", "pipelined", "queue_collective"]
+__all__ = ["PIN_ENV", "QUEUED_COLLECTIVES", "Pending", "Ranks", "pins_inputs", "queue_collective"]
 
 log = logging.getLogger("synkhronos")
 
@@ -86,7 +86,7 @@ class Ranks:
         self.pinned: dict[int, int] = {}
         """Data id -> the address of its memory, registered with the device (0: too small to register)."""
         self.pending: Pending | None = None
-        """The last pipelined call, dispatched and not replied yet (:func:`pipelined`)."""
+        """The last pipelined call, dispatched and not replied yet (:func:`_call_pipelined`)."""
         self.ready: list[Any] | None = None
         """What a failed pipelined command left for the master's fetch (``_fetch``)."""
         self.queued: collections.deque[Pending] = collections.deque()
@@ -191,7 +191,7 @@ def _call(group: Group, _payload: None) -> None:
         return
     rt = _runtime(group)
     if int(group.scratch[calls.FITS]) & calls.DEFER:
-        pipelined(group, rt, lambda: _start(group, rt, pipelined=True))
+        _call_pipelined(group, rt)
         return
     done = _start(group, rt, pipelined=False)
     group.reply(done.finish() if isinstance(done, Pending) else done)
@@ -235,10 +235,9 @@ _FAILED = np.array(1)
 _READY = np.array(0)
 
 
-def pipelined(group: Group, rt: Runtime, start: Callable[[], Pending | list[Any]]) -> None:
-    """A pipelined call (or collective: ``start`` dispatches it): dispatch it, then reply the previous
-    pipelined call's outputs (waiting for them while this call's program waits in the device queue
-    behind it) and this call's head.
+def _call_pipelined(group: Group, rt: Runtime) -> None:
+    """A pipelined call: dispatch it, then reply the previous pipelined call's outputs (waiting for
+    them while this call's program waits in the device queue behind it) and this call's head.
 
     The reply: ``[lengths, *previous, *this]``, ``lengths`` = (parts of the previous call's reply,
     parts of this call's, whether this call is still pending).  A call that runs per rank (not one
@@ -248,7 +247,7 @@ def pipelined(group: Group, rt: Runtime, start: Callable[[], Pending | list[Any]
     ranks = rt.engine
     previous, ranks.pending, ranks.ready = ranks.pending, None, None
     try:
-        this = start()
+        this = _start(group, rt, pipelined=True)
     except BaseException:
         if previous is not None:
             try:
@@ -281,9 +280,9 @@ to bound the memory their results hold."""
 
 def queue_collective(group: Group, rt: Runtime, start: Callable[[], Pending]) -> None:
     """A submitted collective: dispatch it (``start``), reply the outputs of the pipelined call held
-    before it, if any (``[lengths, *its reply]`` as :func:`pipelined`), and keep it queued: done, as
-    far as the master knows, since everything after it runs after it on this device.  On a failure
-    the rank raises and keeps what :func:`pipelined` keeps for the master's fetch."""
+    before it, if any (``[lengths, *its reply]`` as :func:`_call_pipelined`), and keep it queued: done,
+    as far as the master knows, since everything after it runs after it on this device.  On a
+    failure the rank raises and keeps what :func:`_call_pipelined` keeps for the master's fetch."""
     ranks = rt.engine
     previous, ranks.pending, ranks.ready = ranks.pending, None, None
     before: list[Any] = []
@@ -310,7 +309,7 @@ def queue_collective(group: Group, rt: Runtime, start: Callable[[], Pending]) ->
 @handler(FETCH)
 def _fetch(group: Group, _payload: None) -> None:
     """The outputs of the last pipelined call (``[0, *reply]``), or what a failed pipelined command
-    left (:func:`pipelined`: ``[0, *reply]`` of the call before it, ``[1]`` that call
+    left (:func:`_call_pipelined`: ``[0, *reply]`` of the call before it, ``[1]`` that call
     failed), or ``[2]``: nothing held."""
     if group.is_master:
         return

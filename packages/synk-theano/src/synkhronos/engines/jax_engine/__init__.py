@@ -65,7 +65,7 @@ class JaxEngine(Engine):
         return out
 
     def collective(self, rt: Runtime, name: str, payload: dict[str, Any], defer: bool = False) -> Any:
-        """A collective; ``defer``: a submitted all-reduce is pipelined (see
+        """A collective; ``defer``: a submitted all-reduce is only queued (see
         :mod:`synkhronos.engine.collectives`)."""
         return engine_collectives.run(rt, name, payload, defer)
 
