@@ -19,7 +19,7 @@ export PYTENSOR_FLAGS="floatX=float32" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, pytensor, nccl.core, torch; print('jax', jax.__version__, 'pytensor', pytensor.__version__, 'torch', torch.__version__)"
 status=0
-what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | quiet | resnet | resnet-scaling | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | overlap | resnet-inflight | pymc | pymc-gpu | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
+what=${1:-all}  # all | tests | reliability | bench | uneven | comm | profile | mnist | engine | hot | tiny | quiet | resnet | resnet-scaling | resnet-fp32 | resnet-bf16 | precision | precision2 | inflight | overlap | resnet-inflight | pymc | pymc-gpu | pymc-profile | lasagne | cpu | cpu2 | tiny2 | tiny16 | allreduce | step
 # The GPU-marker suites, and every CPU-mode scenario of the synkhronos suite again in GPU mode on
 # the engine (float64: the tests' numpy data), as four pytest processes at once: each forks its own
 # groups over every GPU (no preallocation), so they share the GPUs; their compile time runs in
@@ -339,6 +339,10 @@ fi
 if [ "$what" = step ]; then
   timeout 420 python3 tools/probe_gpu_step.py 2>&1 | tee "$OUT/probe_gpu_step.log" || status=1
   timeout 150 python3 tools/probe_gpu_step.py --phases 2>&1 | tee -a "$OUT/probe_gpu_step.log" || status=1
+fi
+# Where one PyMC evaluation's call goes in GPU mode, phase by phase (float64; tools/profile_engine_call.py --pymc)
+if [ "$what" = pymc-profile ]; then
+  timeout 400 python3 tools/profile_engine_call.py --pymc 2>&1 | tee "$OUT/profile_pymc_call.log" || status=1
 fi
 if [ "$what" = profile ]; then
   timeout 300 python3 tools/profile_gpu_step.py 2>&1 | tee "$OUT/profile_gpu_step.log" || status=1

@@ -13,9 +13,14 @@ Three parts, each in a fresh interpreter:
             the benchmark MLP's step (batch 256 and 16384) in the master and in the worker, with
             the inputs' memory registered with the GPU and without (``SYNK_PIN_INPUTS=0``).
 ``plain``   the reference: plain PyTensor JAX's tiny call.
+``--pymc``  instead of the above: GPU mode's call path as :mod:`synkhronos.pymc` uses it, in
+            float64 -- a tiny call of the likelihood's shape (rows scattered, parameters broadcast
+            as ``synk.data``, two outputs reduced with ``sum``), then PyMC's ``logp_dlogp_function``
+            of a one-row logistic regression inside ``data_parallel`` (``bench_pymc.make_model``).
 
     python tools/profile_engine_call.py            # on a machine with a GPU
     python tools/profile_engine_call.py --dry-run  # JAX's CPU device, small shapes
+    python tools/profile_engine_call.py --pymc     # the PyMC evaluation's call path (float64)
 
 Run from the repository root with the packages on ``PYTHONPATH``.
 """
@@ -174,7 +179,23 @@ def engine(dry: bool, what: str) -> dict[str, Any]:
     assert PHASES is not None
     cfg = DRY if dry else FULL
     synk.fork(1, engine="jax")
-    if what == "tiny":
+    if what == "tiny64":  # the likelihood's shape of call
+        rows, theta = pt.dvector("rows"), pt.dvector("theta")
+        g = synk.function([rows], bcast_inputs=[theta], outputs=[(pt.sum(rows * theta[0]), "sum"),
+                                                                 (theta * pt.sum(rows), "sum")])
+        r, t = synk.data(np.ones(1)), synk.data(np.full(21, 0.01))
+        result = us(lambda: g(r, t), 200 if dry else 3000)
+    elif what == "pymc":
+        from bench_pymc import make_model
+
+        from synkhronos.pymc import data_parallel
+
+        model = make_model(1, 20)
+        with data_parallel(model):
+            fn = model.logp_dlogp_function(ravel_inputs=True)
+            q = np.full(21, 0.01)
+            result = us(lambda: fn(q), 200 if dry else 2000)
+    elif what == "tiny":
         v = pt.vector("v", dtype="float32")
         g = synk.function([v], outputs=pt.sum(v))
         a = synk.data(np.ones(8, "float32"))
@@ -208,6 +229,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--part", choices=("micro", "plain", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--what", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--pymc", action="store_true", help="the PyMC evaluation's call path (float64)")
     args = parser.parse_args()
     if args.part:
         result = engine(args.dry_run, args.what) if args.part == "engine" else \
@@ -217,10 +239,14 @@ def main() -> None:
     base = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
     if args.dry_run:
         base.update(SYNK_EMULATE_GPUS="1", JAX_PLATFORMS="cpu")
-    print("micro (us; GB/s):", json.dumps(run_part("micro", base, args.dry_run), indent=1), flush=True)
-    print("plain:", run_part("plain", base, args.dry_run), flush=True)
     tmp = tempfile.mkdtemp()
-    runs = [("tiny", "1", ""), ("tiny", "1", "5000"), ("first", "1", ""), ("last", "1", ""), ("last", "0", "")]
+    if args.pymc:
+        base.update(PYTENSOR_FLAGS="floatX=float64")
+        runs = [("tiny", "1", ""), ("tiny64", "1", ""), ("tiny64", "0", ""), ("pymc", "1", ""), ("pymc", "0", "")]
+    else:
+        print("micro (us; GB/s):", json.dumps(run_part("micro", base, args.dry_run), indent=1), flush=True)
+        print("plain:", run_part("plain", base, args.dry_run), flush=True)
+        runs = [("tiny", "1", ""), ("tiny", "1", "5000"), ("first", "1", ""), ("last", "1", ""), ("last", "0", "")]
     for what, pin, spin in runs:
         path = os.path.join(tmp, f"{what}pin{pin}spin{spin}")
         env = {**base, "SYNK_PROFILE_CALL": path, "SYNK_PIN_INPUTS": pin}
