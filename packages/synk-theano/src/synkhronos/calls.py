@@ -21,12 +21,14 @@ The plan travels through the group's shared int64 scratch slots -- no pickling o
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from synk_comm import WorkerError
 from synk_comm.errors import GroupAborted
 from synk_comm.xla_cpu import ABORTED as ABORTED_IN_PROGRAM
 from synkhronos import call_context
@@ -300,3 +302,30 @@ def as_index_array(batch: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"{what} indices must be integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
+
+
+@contextmanager
+def _selection_errors() -> Iterator[None]:
+    """A command whose every failing rank found a bad ``batch_s`` selection raises one
+    :class:`~synkhronos.calls.SelectionError` (not a WorkerError)."""
+    try:
+        yield
+    except WorkerError as exc:
+        _raise_selection_error(exc)
+        raise
+
+
+def _raise_selection_error(exc: WorkerError) -> None:
+    """Raise one :class:`~synkhronos.calls.SelectionError` where every failing rank found a bad
+    ``batch_s`` selection (else return: the caller raises ``exc``)."""
+    if all(e.type_name == "SelectionError" for e in exc.errors):
+        raise SelectionError("; ".join(e.message for e in exc.errors)) from None
+
+
+def _finish_call(rt: Runtime, own_exc: BaseException | None) -> None:
+    """End a call's command (:meth:`synk_comm.Group.finish_command`), a selection error as one."""
+    try:
+        rt.group.finish_command(own_exc)
+    except WorkerError as exc:
+        _raise_selection_error(exc)
+        raise

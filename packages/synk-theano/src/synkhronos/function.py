@@ -13,64 +13,26 @@ nothing anywhere):
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from synk_comm import WorkerError
 from synk_shm import Data
 from synkhronos import calls, data_registry
-from synkhronos.distribution import ensure_distributed
 from synkhronos.engine.phases import PHASES
 from synkhronos.errors import DivergentGradientError
 from synkhronos.inflight import Deferred
+from synkhronos.known_plans import KnownPlans
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime, current, describe, get_runtime, submit
-from synkhronos.spec import FunctionSpec, parse_outputs, parse_updates
+from synkhronos.spec import FunctionSpec, _fold_storage_aliases, parse_outputs, parse_updates
 
 __all__ = ["Function", "function"]
 
 
-
-
-@contextmanager
-def _selection_errors() -> Iterator[None]:
-    """A command whose every failing rank found a bad ``batch_s`` selection raises one
-    :class:`~synkhronos.calls.SelectionError` (not a WorkerError)."""
-    try:
-        yield
-    except WorkerError as exc:
-        _raise_selection_error(exc)
-        raise
-
-
-def _raise_selection_error(exc: WorkerError) -> None:
-    """Raise one :class:`~synkhronos.calls.SelectionError` where every failing rank found a bad
-    ``batch_s`` selection (else return: the caller raises ``exc``)."""
-    if all(e.type_name == "SelectionError" for e in exc.errors):
-        raise calls.SelectionError("; ".join(e.message for e in exc.errors)) from None
-
-
-def _finish_call(rt: Runtime, own_exc: BaseException | None) -> None:
-    """End a call's command (:meth:`synk_comm.Group.finish_command`), a selection error as one."""
-    try:
-        rt.group.finish_command(own_exc)
-    except WorkerError as exc:
-        _raise_selection_error(exc)
-        raise
-
-
-def _row_limit(scattered: list[Data]) -> int | None:
-    """The rows a batch's indices may address: the shortest scattered input that is not a
-    minibatch Data (None when every one is: there the batch's positions read its rows)."""
-    return min((len(d) for d in scattered if not d.minibatch), default=None)
-
-
-class Function:
+class Function(KnownPlans):
     """A data-parallel PyTensor function (made by :func:`synkhronos.function`).
 
     Call it as the PyTensor function, with :class:`~synk_shm.Data` arguments instead of numpy
@@ -223,117 +185,6 @@ class Function:
             return out.then(lambda results: self._shape(results, plan))
         return self._shape(out, plan)
 
-    # -- known plans: a call like an earlier one skips its checks --------------------------------
-    @staticmethod
-    def _plan_key(args: Sequence[Any], kwargs: Mapping[str, Any], output_subset: Any, batch: Any, batch_s: Any,
-                  num_slices: Any) -> tuple[Any, ...] | None:
-        """The key under which a call's checked plan is kept (see :meth:`_known_plan`), or None for a
-        call whose plan is not kept: keywords, ``num_slices`` > 1, a batch other than None, an int, a
-        slice or a 1-d numpy array of indices (a training loop's shuffled batch: the plan is kept for
-        its length, each call writes its indices), or a ``batch_s`` other than None or one slice of
-        int bounds (a training loop's window: the plan holds it whole, and the ranks check it against
-        their rows)."""
-        if kwargs or type(num_slices) is not int or num_slices != 1:
-            return None
-        if batch_s is not None and not (type(batch_s) is slice and all(
-                v is None or type(v) is int for v in (batch_s.start, batch_s.stop, batch_s.step))):
-            return None
-        if type(batch) is np.ndarray:
-            if batch.ndim != 1 or batch.dtype.kind not in "iu" or not len(batch):
-                return None  # the full checks say what is wrong (or that an empty batch is)
-            batch_key: Any = ("indices", len(batch))
-        elif batch is not None and type(batch) not in (int, slice):
-            return None
-        else:
-            batch_key = (batch.start, batch.stop, batch.step) if type(batch) is slice else batch
-        if output_subset is not None and not (type(output_subset) in (list, tuple)
-                                              and all(type(i) is int for i in output_subset)):
-            return None
-        subset_key = None if output_subset is None else tuple(output_subset)
-        window_key = None if batch_s is None else (batch_s.start, batch_s.stop, batch_s.step)
-        return (subset_key, batch_key, window_key, *map(id, args))
-
-    def _known_plan(self, rt: Runtime, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        """The kept plan of a call like an earlier one -- the same Data objects, still registered and
-        of the same shapes, the same output subset and batch -- with its scratch slots copied back
-        into the group's (a dict lookup instead of every check and the plan); None if there is none."""
-        known = self._plans.get(key)
-        if known is None or known[0]() is not rt or rt.dropped or not self._still(rt, known[1]):
-            return None
-        self._require_current(rt)
-        ensure_distributed(rt)
-        slots = known[3]
-        rt.group.scratch[:len(slots)] = slots
-        return known
-
-    def _remember(self, rt: Runtime, key: tuple[Any, ...], plan: calls.CallPlan,
-                  index_batch: bool = False) -> tuple[Any, ...] | None:
-        """Keep a checked plan under ``key`` (:meth:`_known_plan`); returns what is kept.
-
-        A plan that reads the shared index buffer is kept only for a batch of indices
-        (``index_batch``, a numpy array): each later call checks its own indices against the rows
-        of the scattered inputs (kept here, ``known[5]``) and writes them there.  A slice with a
-        step (an index batch too) is not kept."""
-        index_rows = None
-        if plan.index_did >= 0:
-            if not index_batch or plan.bs_kind:
-                return None
-            limit = _row_limit([rt.data[did] for did in plan.data_ids[:len(self._spec.inputs)]])
-            index_rows = -1 if limit is None else limit
-        if len(self._plans) >= 64:
-            self._plans.clear()
-        datas = [(did, weakref.ref(rt.data[did]), rt.data[did].shape, rt.data[did].minibatch)
-                 for did in plan.data_ids]
-        slots = rt.group.scratch[:calls.CallPlan.length_of(rt.group.scratch, rt.size)].copy()
-        reason = rt.driver.known_reason(self._replica, plan)
-        known = (weakref.ref(rt), datas, plan, slots, reason, index_rows)
-        self._plans[key] = known
-        return known
-
-    def _write_index_batch(self, rt: Runtime, batch: np.ndarray, plan: calls.CallPlan, rows: int) -> None:
-        """A known plan's batch of indices (:meth:`_remember`): checked against ``rows`` (-1: only
-        minibatch inputs, whose rows the batch's positions read) and written into the shared
-        index buffer, where the plan's ranks read it."""
-        index = calls.as_index_array(batch, "batch")
-        if rows >= 0:
-            index = self._in_range(index, rows, [rt.data[did] for did in plan.data_ids[:len(self._spec.inputs)]])
-        data_registry.write_indices(rt, index)
-
-    @staticmethod
-    def _still(rt: Runtime, datas: list[tuple[int, weakref.ref[Data], Any, bool]]) -> bool:
-        """Whether the Data of a known plan are still registered, of the same shapes and kinds."""
-        for did, ref, shape, minibatch in datas:
-            d = ref()
-            if d is None:
-                return False
-            if rt.data.get(did) is not d or d.shape != shape or d.minibatch != minibatch:
-                return False
-        return True
-
-    def _prepare(self, rt: Runtime, args: Sequence[Any], kwargs: Mapping[str, Any], subset: tuple[int, ...] | None,
-                 batch: Any, batch_s: Any, num_slices: Any, extra_slots: int = 0) -> calls.CallPlan:
-        """Every check of a call, then its plan written into the shared scratch slots (after which
-        the command may start).  ``extra_slots``: scratch slots the caller writes after the plan."""
-        if not rt.is_master:
-            raise RuntimeError("synkhronos functions are called in the master only")
-        self._require_current(rt)
-        ensure_distributed(rt)
-        data_registry.flush_dropped(rt)
-        datas = self._bind(args, kwargs)
-        group = rt.group
-        length = calls.CallPlan.length(len(datas), len(subset or ()), rt.size) + extra_slots
-        if length > len(group.scratch):  # before _plan, which may register Data with the workers
-            raise ValueError(f"this call needs {length} argument slots; fork(max_n_var=...) reserved "
-                             f"{len(group.scratch)}: fork with a larger max_n_var")
-        plan = self._plan(rt, datas, subset, batch, batch_s, num_slices)
-        calls.encode(plan, group.scratch, rt.size)
-        return plan
-
-    def _require_current(self, rt: Runtime) -> None:
-        if rt.replicas.get(self._spec.fid) is not self._replica:  # its id may name another function now
-            raise RuntimeError(f"{self!r} was built for a group that is closed: build it again with "
-                               "synk.function() after synk.fork()")
-
     def _shape(self, results: list[Any], plan: calls.CallPlan) -> Any:
         """What a call returns: the one output, the list, or None without outputs."""
         if plan.subset is None and self._spec.single_output:
@@ -341,176 +192,6 @@ class Function:
         if not results:
             return None
         return results
-
-    # -- argument checks ------------------------------------------------------------------------
-    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Data]:
-        spec = self._spec
-        variables = spec.all_inputs
-        slots: list[Any] = [None] * len(variables)
-        if len(args) > len(variables):
-            raise TypeError(f"{self!r} takes {len(variables)} Data arguments ({len(spec.inputs)} inputs, "
-                            f"{len(spec.bcast_inputs)} broadcast inputs); got {len(args) + len(kwargs)}")
-        for i, a in enumerate(args):
-            slots[i] = a
-        for key, value in kwargs.items():
-            i = self._by_name.get(key, -1)
-            if i < 0:
-                raise TypeError(f"{self!r} has no input named {key!r}; its inputs are "
-                                f"{[v.name for v in variables]}")
-            if slots[i] is not None:
-                raise TypeError(f"input {key!r} given twice (by position and by keyword)")
-            slots[i] = value
-        missing = [describe(v) for v, s in zip(variables, slots) if s is None]
-        if missing:
-            raise TypeError(f"{self!r}: missing Data for input(s) {', '.join(missing)}")
-        for var, value in zip(variables, slots):
-            data_registry.check_input(value, var)
-        return slots
-
-    def _subset(self, output_subset: Sequence[int] | None) -> tuple[int, ...] | None:
-        if output_subset is None:
-            return None
-        n = len(self._spec.outputs)
-        if isinstance(output_subset, (str, bytes)) or not isinstance(output_subset, (Sequence, np.ndarray)):
-            raise TypeError(f"output_subset must be a list of output indices, got {output_subset!r}")
-        subset = []
-        for i in output_subset:
-            if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
-                raise TypeError(f"output_subset must hold ints, got {i!r}")
-            if not 0 <= i < n:
-                raise ValueError(f"output_subset index {i} out of range: the function has {n} outputs")
-            subset.append(int(i))
-        if len(set(subset)) != len(subset):
-            raise ValueError(f"output_subset has repeated indices: {list(output_subset)}")
-        return tuple(subset)
-
-    def _plan(self, rt: Runtime, datas: list[Data], subset: tuple[int, ...] | None, batch: Any,
-              batch_s: Any, num_slices: Any) -> calls.CallPlan:
-        spec = self._spec
-        if not isinstance(num_slices, (int, np.integer)) or isinstance(num_slices, bool) or num_slices < 1:
-            raise ValueError(f"num_slices must be an int >= 1, got {num_slices!r}")
-        if num_slices > 1 and self._replica.has_collectives:
-            raise ValueError("this function's graph holds in-graph collectives (synkhronos.ops), which run once per "
-                             "call in every rank: call it with num_slices=1")
-        if num_slices > 1 and not spec.inputs and not spec.sliceable:
-            raise ValueError("num_slices > 1 needs something to slice: this function has no scattered "
-                             "inputs and no sliceable_shareds")
-        if batch_s is not None and not spec.sliceable:
-            raise ValueError("batch_s selects rows of sliceable shared variables; this function has none "
-                             "(declare them with synk.function(..., sliceable_shareds=[...]))")
-        scattered = datas[:len(spec.inputs)]
-        index_parts: list[np.ndarray] = []
-        kind, start, total = self._batch(scattered, batch, index_parts)
-        if scattered and total == 0:
-            raise ValueError("the call selects no rows of the scattered inputs (empty Data or an empty batch): "
-                             "nothing to compute")
-        bs_kind, bs = self._batch_s(rt, batch_s, index_parts)
-        index_did = -1
-        if index_parts:
-            indices = index_parts[0] if len(index_parts) == 1 else np.concatenate(index_parts)
-            index_did = data_registry.write_indices(rt, indices)
-        return calls.CallPlan(spec.fid, int(num_slices), kind, start,
-                              [data_registry.data_id(rt, d) for d in datas], subset,
-                              calls.normalise_positions(total, rt.size), bs_kind, bs, index_did)
-
-    def _batch(self, scattered: list[Data], batch: Any, index_parts: list[np.ndarray]) -> tuple[int, int, int]:
-        """(kind, start, total) of the scattered rows; index batches go into ``index_parts``."""
-        if not scattered:
-            if batch is not None:
-                raise ValueError("batch selects rows of scattered inputs; this function has none")
-            return 0, 0, 0
-        if batch is None:
-            n = len(scattered[0])
-            if any(len(d) != n for d in scattered):
-                raise ValueError(f"the scattered inputs have different lengths {self._lengths(scattered)}; pass "
-                                 "batch= to select the same rows of each")
-            return 0, 0, n
-        limit = _row_limit(scattered)
-        if isinstance(batch, (bool, np.bool_)):
-            raise TypeError(f"batch must be an int, a slice, or integer indices, got {batch!r}")
-        if isinstance(batch, (int, np.integer)):
-            batch = slice(0, int(batch)) if batch >= 0 else batch
-            if not isinstance(batch, slice):
-                raise ValueError(f"batch={batch} is negative; it must be a count of rows >= 0")
-            if limit is not None and batch.stop > limit:
-                raise ValueError(f"batch={batch.stop} asks for more rows than the inputs have "
-                                 f"({self._lengths(scattered)})")
-            self._check_minibatch(scattered, batch.stop)  # batch=k needs k rows, not fewer after clipping
-        if isinstance(batch, slice):
-            if limit is None:  # only minibatch inputs: the slice counts positions
-                limit = min(len(d) for d in scattered)
-            start, stop, step = batch.indices(limit)
-            rows = range(start, stop, step)
-            total = len(rows)
-            self._check_minibatch(scattered, total)
-            if step == 1:
-                return 0, start, total
-            index = np.arange(start, stop, step, dtype=np.int64)
-        else:
-            if isinstance(batch, (float, np.floating, str, bytes)):
-                raise TypeError(f"batch must be an int, a slice, or integer indices, got {batch!r}")
-            index = calls.as_index_array(batch, "batch")
-            total = len(index)
-            if limit is not None and total:
-                index = self._in_range(index, limit, scattered)
-            self._check_minibatch(scattered, total)
-        index_parts.append(index)
-        return 1, 0, total
-
-    def _in_range(self, index: np.ndarray, limit: int, scattered: list[Data]) -> np.ndarray:
-        """``index`` (not empty) with its negative indices counted from the end, as in numpy;
-        ValueError for an index out of range of ``limit`` rows."""
-        low = int(index.min())
-        if int(index.max()) >= limit or low < -limit:
-            bad = index[(index >= limit) | (index < -limit)][:5].tolist()
-            raise ValueError(f"batch indices {bad} out of range for inputs of lengths {self._lengths(scattered)}")
-        return np.where(index < 0, index + limit, index) if low < 0 else index
-
-    def _lengths(self, scattered: list[Data]) -> dict[str, int]:
-        return {describe(v): len(d) for v, d in zip(self._spec.inputs, scattered)}
-
-    def _check_minibatch(self, scattered: list[Data], total: int) -> None:
-        for var, d in zip(self._spec.inputs, scattered):
-            if d.minibatch and len(d) < total:
-                raise ValueError(f"minibatch Data for input {describe(var)} has {len(d)} rows; the batch "
-                                 f"selects {total} (a minibatch Data holds the batch: row i is position i)")
-
-    def _batch_s(self, rt: Runtime, batch_s: Any, index_parts: list[np.ndarray]) -> tuple[int, np.ndarray | None]:
-        if batch_s is None:
-            return 0, None
-        size = rt.size
-
-        def is_one(sel: Any) -> bool:
-            if isinstance(sel, slice):
-                return True
-            if isinstance(sel, np.ndarray):
-                return True
-            return isinstance(sel, (list, tuple)) and all(isinstance(i, (int, np.integer)) for i in sel)
-
-        selections = [batch_s] * size if is_one(batch_s) else list(batch_s)
-        if len(selections) != size or not all(is_one(s) for s in selections):
-            raise TypeError(f"batch_s must be a slice, a list or 1-d int array of rows, or a list of {size} "
-                            f"of those (one per rank); got {batch_s!r}")
-        kinds = {isinstance(s, slice) for s in selections}
-        if len(kinds) > 1:
-            raise TypeError("batch_s per rank must be all slices or all index lists")
-        bs = np.zeros((size, 3), dtype=np.int64)
-        if kinds == {True}:
-            for r, s in enumerate(selections):
-                for j, v in enumerate((s.start, s.stop, s.step)):
-                    if v is not None and not isinstance(v, (int, np.integer)):
-                        raise TypeError(f"batch_s slice bounds must be ints or None, got {s!r}")
-                    bs[r, j] = calls.NONE if v is None else int(v)
-                if s.step == 0:
-                    raise ValueError("batch_s slice step cannot be zero")
-            return 1, bs
-        offset = sum(len(p) for p in index_parts)
-        for r, s in enumerate(selections):
-            idx = calls.as_index_array(s, "batch_s")
-            index_parts.append(idx)
-            bs[r] = (offset, len(idx), 0)
-            offset += len(idx)
-        return 2, bs
 
     # -- master-only helpers --------------------------------------------------------------------
     def as_theano(self, *args: Any, **kwargs: Any) -> Any:
@@ -550,56 +231,6 @@ class Function:
         made = tuple(data(value=v, var=var, force_cast=force_cast, oversize=oversize, minibatch=mb)
                      for v, var, mb in zip(values, variables, flags))
         return made[0] if len(made) == 1 else made
-
-
-def _fold_storage_aliases(outs: list[Any], pairs: list[tuple[Any, Any]], update_ops: list[str],
-                          given_pairs: list[tuple[Any, Any]], sliceable: list[Any], rt: Runtime) -> None:
-    """Make the shared variables of a function that share one storage one variable (in place).
-
-    ``SharedVariable.clone()`` makes an alias: another variable on the same container.  Lasagne's
-    batch norm reads its running averages through such an alias, which carries their
-    ``default_update``.  The workers hold each distributed variable's own value, so an alias
-    becomes (in ``givens``, and as an update's target) the variable of its storage that the
-    function slices, that is distributed already, that the function updates, or else the first
-    met; the alias's ``default_update`` becomes that variable's update where it has none (PyTensor
-    applies a default update only where no update is given).
-
-    Raises
-    ------
-    ValueError
-        If two updates target one storage.
-    """
-    from pytensor.compile.sharedvalue import SharedVariable
-    from pytensor.graph.basic import Variable
-
-    try:
-        from pytensor.graph.traversal import ancestors
-    except ImportError:  # PyTensor before 3.3
-        from pytensor.graph.basic import ancestors  # type: ignore[no-redef]
-
-    owner: dict[int, Any] = {}
-    for var in [*sliceable, *rt.shared_ids]:
-        owner.setdefault(id(var.container), var)
-    pairs[:] = [(owner.setdefault(id(var.container), var), expr) for var, expr in pairs]
-    updated = {id(var) for var, _ in pairs}
-    if len(updated) < len(pairs):
-        raise ValueError("two updates target one shared variable (or aliases of one, made by SharedVariable.clone()): "
-                         "give each variable one update")
-    replaced = {v for v, _ in given_pairs}
-    roots = [v for v in [*outs, *(e for _, e in pairs), *(g for _, g in given_pairs)] if isinstance(v, Variable)]
-    for var in list(ancestors(roots)):
-        if not isinstance(var, SharedVariable) or var in replaced:
-            continue
-        twin = owner.setdefault(id(var.container), var)
-        if twin is var:
-            continue
-        given_pairs.append((var, twin))
-        replaced.add(var)
-        if var.default_update is not None and id(twin) not in updated:
-            more, ops = parse_updates([(twin, var.default_update)])
-            pairs += more
-            update_ops += ops
-            updated.add(id(twin))
 
 
 def function(inputs: Sequence[Any], outputs: Any = None, bcast_inputs: Sequence[Any] | None = None,

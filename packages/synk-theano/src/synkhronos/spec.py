@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from synkhronos.reduce_ops import UPDATE_OPS, check_op
+
+if TYPE_CHECKING:
+    from synkhronos.runtime import Runtime
 
 __all__ = ["FunctionSpec", "parse_outputs", "parse_updates"]
 
@@ -91,3 +94,53 @@ def parse_updates(updates: Any) -> tuple[list[tuple[Any, Any]], list[str]]:
         pairs.append((var, expr))
         ops.append(op)
     return pairs, ops
+
+
+def _fold_storage_aliases(outs: list[Any], pairs: list[tuple[Any, Any]], update_ops: list[str],
+                          given_pairs: list[tuple[Any, Any]], sliceable: list[Any], rt: Runtime) -> None:
+    """Make the shared variables of a function that share one storage one variable (in place).
+
+    ``SharedVariable.clone()`` makes an alias: another variable on the same container.  Lasagne's
+    batch norm reads its running averages through such an alias, which carries their
+    ``default_update``.  The workers hold each distributed variable's own value, so an alias
+    becomes (in ``givens``, and as an update's target) the variable of its storage that the
+    function slices, that is distributed already, that the function updates, or else the first
+    met; the alias's ``default_update`` becomes that variable's update where it has none (PyTensor
+    applies a default update only where no update is given).
+
+    Raises
+    ------
+    ValueError
+        If two updates target one storage.
+    """
+    from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.graph.basic import Variable
+
+    try:
+        from pytensor.graph.traversal import ancestors
+    except ImportError:  # PyTensor before 3.3
+        from pytensor.graph.basic import ancestors  # type: ignore[no-redef]
+
+    owner: dict[int, Any] = {}
+    for var in [*sliceable, *rt.shared_ids]:
+        owner.setdefault(id(var.container), var)
+    pairs[:] = [(owner.setdefault(id(var.container), var), expr) for var, expr in pairs]
+    updated = {id(var) for var, _ in pairs}
+    if len(updated) < len(pairs):
+        raise ValueError("two updates target one shared variable (or aliases of one, made by SharedVariable.clone()): "
+                         "give each variable one update")
+    replaced = {v for v, _ in given_pairs}
+    roots = [v for v in [*outs, *(e for _, e in pairs), *(g for _, g in given_pairs)] if isinstance(v, Variable)]
+    for var in list(ancestors(roots)):
+        if not isinstance(var, SharedVariable) or var in replaced:
+            continue
+        twin = owner.setdefault(id(var.container), var)
+        if twin is var:
+            continue
+        given_pairs.append((var, twin))
+        replaced.add(var)
+        if var.default_update is not None and id(twin) not in updated:
+            more, ops = parse_updates([(twin, var.default_update)])
+            pairs += more
+            update_ops += ops
+            updated.add(id(twin))

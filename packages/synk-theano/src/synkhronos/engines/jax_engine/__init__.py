@@ -12,12 +12,11 @@ from typing import Any
 
 from synk_comm import WorkerError
 from synkhronos import calls
-from synkhronos.calls import SelectionError
+from synkhronos.calls import SelectionError, _raise_selection_error, _selection_errors
 from synkhronos.chain import Chain
 from synkhronos.engine import collectives as engine_collectives
 from synkhronos.engine import master
 from synkhronos.engines.base import Engine
-from synkhronos.function import _raise_selection_error, _selection_errors
 from synkhronos.replica import Replica
 from synkhronos.runtime import Runtime
 

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from synkhronos import calls
+from synkhronos.calls import _finish_call, _selection_errors
 from synkhronos.chain import OPS, Chain, _run
 from synkhronos.engines.base import Engine
-from synkhronos.function import _finish_call, _selection_errors
 from synkhronos.protocol import CALL, CHAIN, COLLECTIVE
 from synkhronos.reduce_ops import combine, combine_numbers
 from synkhronos.replica import Replica
