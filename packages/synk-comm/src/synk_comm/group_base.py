@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupBase"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("synk_comm.group")  # the logger of synk_comm.group, whose part this is
 
 EXIT = -1
 SPAN_OFFSET_ENV = "SYNK_SPAN_OFFSET"

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupCommands", "handler"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("synk_comm.group")  # the logger of synk_comm.group, whose part this is
 
 HANDLERS: dict[str, Callable[[Group, Any], Any]] = {}
 F = TypeVar("F", bound=Callable[..., Any])
