@@ -15,6 +15,7 @@ import pytensor.tensor as pt
 import pytest
 from lasagne_testutil import FAST, TIMEOUT, NumpyRule, Reference, initial_params, loss_graph, make_data, shared_params
 
+import synk_lasagne.callbacks
 import synk_lasagne.trainer
 import synkhronos as synk
 from synk_lasagne import (
@@ -464,7 +465,7 @@ def test_steps_that_compile_are_timed_apart_and_durations_never_read_zero(ranks,
 
 
 def test_tensorboard_logger_writes_scalars_or_says_what_to_install(monkeypatch, tmp_path):
-    monkeypatch.setattr(synk_lasagne.trainer, "_summary_writer", lambda: None)
+    monkeypatch.setattr(synk_lasagne.callbacks, "_summary_writer", lambda: None)
     with pytest.raises(ImportError, match="pip install tensorboardX"):
         TensorBoardLogger(tmp_path)
 
@@ -478,7 +479,7 @@ def test_tensorboard_logger_writes_scalars_or_says_what_to_install(monkeypatch, 
         def flush(self):
             pass
 
-    monkeypatch.setattr(synk_lasagne.trainer, "_summary_writer", lambda: Writer)
+    monkeypatch.setattr(synk_lasagne.callbacks, "_summary_writer", lambda: Writer)
     logger = TensorBoardLogger(tmp_path)
     logger.on_epoch_end(None, {"epoch": 3, "train_loss": 0.5, "samples": 10})
     assert logger.writer.logdir == str(tmp_path)

@@ -41,12 +41,13 @@ from synk_comm.group_base import EXIT as EXIT
 from synk_comm.group_base import SPAN_OFFSET_ENV as SPAN_OFFSET_ENV
 from synk_comm.group_base import SPAN_SIZE_ENV as SPAN_SIZE_ENV
 from synk_comm.group_base import _master_gone as _master_gone
-from synk_comm.group_commands import HANDLERS, GroupCommands, handler
+from synk_comm.group_commands import HANDLERS, GroupCommands
+from synk_comm.group_commands import handler as handler
 from synk_comm.lockstep import MAILBOX, wait
 from synk_comm.watchdog import _Watchdog
 from synk_shm import naming
 
-__all__ = ["Group", "start", "spawn", "handler", "current_group"]
+__all__ = ["Group", "start", "spawn", "current_group"]  # and handler (synk_comm.group_commands)
 
 log = logging.getLogger(__name__)
 
