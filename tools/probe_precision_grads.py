@@ -109,7 +109,7 @@ def emulating_policy() -> Any:
 
     import jax.numpy as jnp
 
-    from synkhronos import precision
+    from synkhronos import jaxpr_policy as precision  # the interpreter of synkhronos.precision's policies
 
     @contextlib.contextmanager
     def ctx() -> Any:
@@ -143,7 +143,7 @@ def without_ops(ops: set[str]) -> Any:
     """A context in which the ``"bf16"`` policy computes the primitives ``ops`` in float32."""
     import contextlib
 
-    from synkhronos import precision
+    from synkhronos import jaxpr_policy as precision  # the interpreter of synkhronos.precision's policies
 
     @contextlib.contextmanager
     def ctx() -> Any:
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from synk_lasagne import layers, objectives
     from synk_lasagne.models import build_resnet
     from synk_lasagne.random import set_rng
-    from synkhronos import precision
+    from synkhronos import jaxpr_policy, precision
 
     warnings.filterwarnings("ignore")
     pytensor.config.floatX = "float32"
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         elif variant == "bf16" or variant.startswith("-"):
             ops = set(variant[1:].split("+")) if variant.startswith("-") else set()
             if ops == {"ALL"}:
-                ops = set(precision._BF16_OPS)
+                ops = set(jaxpr_policy._BF16_OPS)
             with without_ops(ops):
                 results[variant] = compiled(lambda f: precision.apply(f, "bf16"))(*inputs)
         else:
