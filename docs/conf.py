@@ -176,12 +176,15 @@ def _canonical(obj: Any) -> str | None:
 
 
 def _sets_attribute(cls: type, attr: str) -> bool:
-    """True if the source of ``cls`` assigns or annotates ``self.attr`` (an instance attribute)."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return False
-    return re.search(rf"\bself\.{re.escape(attr)}\b\s*[:=,]", source) is not None
+    """True if the source of ``cls`` or of a base assigns or annotates ``self.attr`` (an instance attribute)."""
+    for klass in inspect.getmro(cls):
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        if re.search(rf"\bself\.{re.escape(attr)}\b\s*[:=,]", source) is not None:
+            return True
+    return False
 
 
 def _import_name(dotted: str) -> str | None:

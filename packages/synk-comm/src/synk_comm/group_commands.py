@@ -47,7 +47,7 @@ def handler(name: str | None = None) -> Callable[[F], F]:
     """Register ``fn(group, payload)`` as the handler of command ``name`` (default: its qualified name).
 
     The module that defines it must be importable in the workers: pass it in ``imports`` of
-    :func:`start`.
+    :func:`~synk_comm.group.start`.
     """
 
     def register(fn: F) -> F:

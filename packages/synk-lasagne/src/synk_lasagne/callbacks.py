@@ -52,7 +52,7 @@ class Schedule(Callback):
     Each epoch (``per="epoch"``) or step (``per="step"``) starts with ``variable`` set to
     ``fn(epoch)`` (or ``fn(step)``) in every rank (:func:`set_in_every_rank`); the value is
     recorded in the epoch's record under the variable's name.  The value depends only on the
-    epoch or step number, so a resumed run (:meth:`Trainer.load`) gets the same values.
+    epoch or step number, so a resumed run (:meth:`~synk_lasagne.Trainer.load`) gets the same values.
 
     Parameters
     ----------
@@ -106,7 +106,7 @@ class CSVLogger(Callback):
     """The epoch records as rows of a CSV file (one column per key of the first record).
 
     A fresh run writes the file anew; a run that goes on (a later ``fit``, or one resumed with
-    :meth:`Trainer.load`) appends to it, so that the file holds the whole run.
+    :meth:`~synk_lasagne.Trainer.load`) appends to it, so that the file holds the whole run.
 
     Parameters
     ----------

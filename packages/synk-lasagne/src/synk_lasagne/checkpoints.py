@@ -186,7 +186,7 @@ def save_checkpoint(path: str | os.PathLike[str], variables: Sequence[Any], **me
     A numpy ``.npz`` file: one array per variable, stored under the variable's name, and
     ``__meta__``, a JSON string with the names, shapes, dtypes and ``metadata``.  Written to a
     temporary file first and renamed, so that a crash never leaves half a checkpoint.  (A
-    :class:`Trainer` saves more: :meth:`Trainer.save`.)
+    :class:`Trainer` saves more: :meth:`~synk_lasagne.Trainer.save`.)
 
     Parameters
     ----------

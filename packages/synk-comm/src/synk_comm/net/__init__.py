@@ -14,7 +14,8 @@ data through shared memory).  Between hosts, this module relays the master's com
   which the agent plays the master: it replays each command of the master into its group (the
   scratch slots, the payload, the master's part of the command: barriers and ``gather_object``)
   and sends back its workers' replies and errors.  The workers learn their ranks in the span from
-  their environment (:attr:`Group.span_offset`, :attr:`Group.span_size`).
+  their environment (:attr:`Group.span_offset <synk_comm.group_base.GroupBase.span_offset>`,
+  :attr:`Group.span_size <synk_comm.group_base.GroupBase.span_size>`).
 
 Collectives of the workers of every host: ``all_gather`` and ``all_reduce`` of a group spanning
 hosts go through each host's master (shared memory within the host, one array per host over
@@ -50,7 +51,8 @@ Failure, within :data:`HOST_TIMEOUT_S` (3 s) and no hang
     A worker that dies on another host: :class:`~synk_comm.WorkerDiedError` in the master (rank
     in the span, host named).  A worker's exception: :class:`~synk_comm.WorkerError` (rank and
     host in the message; the group stays usable unless the command was one program over every
-    rank, see :attr:`Group.abort_grace_s`).  An agent that stops answering (killed, host down, network):
+    rank, see :attr:`Group.abort_grace_s <synk_comm.group_base.GroupBase.abort_grace_s>`).  An agent that stops
+    answering (killed, host down, network):
     :class:`~synk_comm.HostLostError` naming the host (agents send heartbeats every
     :data:`HEARTBEAT_S`).  After any of the fatal ones the master closes its own group and tells
     every agent to close its group (their workers are stopped); the agents stay, ready for the

@@ -27,7 +27,8 @@ class Peer:
     nproc: int
     pid: int
     first: int = 0
-    """The span rank of its first worker, minus one (its :attr:`Group.span_offset`)."""
+    """The span rank of its first worker, minus one (its
+    :attr:`Group.span_offset <synk_comm.group_base.GroupBase.span_offset>`)."""
     last_seen: float = field(default_factory=time.monotonic)
     inbox: collections.deque[Any] = field(default_factory=collections.deque)
 
