@@ -52,7 +52,7 @@ class _Batched:
 
         self.split = split
         self.width = width
-        row_ph, param_ph, local_terms = split._graph
+        _, param_ph, local_terms = split._graph
         batched_ph = [pt.tensor(dtype=p.type.dtype, shape=(width, *p.type.shape), name=f"{p.name or 'param'}_chains")
                       for p in param_ph]
         terms = self._vectorised(local_terms, param_ph, batched_ph, width)
@@ -68,13 +68,15 @@ class _Batched:
         try:
             with warnings.catch_warnings():  # compiled in JAX mode: JAX drops PyTensor's shape asserts
                 warnings.filterwarnings("ignore", message=SKIPPED_ASSERT)
-                self.fn = synk.function(inputs=row_ph, bcast_inputs=batched_ph, outputs=[(o, "sum") for o in outs],
+                self.fn = synk.function(inputs=[], bcast_inputs=batched_ph, givens=split.givens,
+                                        sliceable_shareds=split.row_shared, outputs=[(o, "sum") for o in outs],
                                         name=name, **mode)
         except Exception as exc:
             if not mode:
                 raise
             _log.info("data_parallel: %s does not compile in JAX mode (%r): the ranks' own choice", name, exc)
-            self.fn = synk.function(inputs=row_ph, bcast_inputs=batched_ph, outputs=[(o, "sum") for o in outs],
+            self.fn = synk.function(inputs=[], bcast_inputs=batched_ph, givens=split.givens,
+                                    sliceable_shareds=split.row_shared, outputs=[(o, "sum") for o in outs],
                                     name=name)
         self.param_data: list[Any] = [None] * len(param_ph)
         self.called = False
@@ -117,13 +119,13 @@ class _Batched:
                 arr[slot] = points.get(slot, first)[i]
         data = self.param_data
         if not split.float_params:
-            values = self._call(*split.row_data, *data)
+            values = self._call(*data)
             return {slot: [values[slot]] for slot in points}
         if not with_grad:
-            out = self._call(*split.row_data, *data, output_subset=[0])
+            out = self._call(*data, output_subset=[0])
             values = out[0] if isinstance(out, list) else out
             return {slot: [values[slot]] for slot in points}
-        values, flat = self._call(*split.row_data, *data)
+        values, flat = self._call(*data)
         return {slot: [values[slot], *split._unpack(points[slot], flat[slot])] for slot in points}
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:

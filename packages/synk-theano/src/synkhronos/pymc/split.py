@@ -27,9 +27,9 @@ _IDS = itertools.count(1)
 class _Split:
     """One group of observed variables with the same number of rows, split over the ranks.
 
-    Holds the synk function (inputs: the row arrays, scattered; broadcast inputs: the parameters;
-    outputs: the summed log-probability and its gradient by each float parameter, reduced with
-    ``sum``), the row Data (scattered once) and one Data per parameter (written at each call).
+    Holds the synk function (the row arrays: sliceable shared variables, scattered into the ranks
+    once; broadcast inputs: the parameters; outputs: the summed log-probability and its gradient by
+    each float parameter, reduced with ``sum``) and one Data per parameter (written at each call).
     """
 
     def __init__(self, model: Any, rvs: Sequence[Any], terms: Sequence[Any]) -> None:
@@ -99,11 +99,18 @@ class _Split:
         packed = [pt.concatenate([pt.cast(g, "float64").ravel() for g in grads])] if len(grads) else []
         outs = _without_checks(self.check_bounds, [total, *packed])
         self.dtype = outs[0].type.dtype
-        self.fn = synk.function(inputs=row_ph, bcast_inputs=param_ph,
+        # The rows live in the ranks: sliceable shared variables, each rank holding its own part,
+        # scattered once (on its GPU in GPU mode), not inputs that travel to the device at every call.
+        rows_all = [np.asarray(v.get_value(borrow=True) if isinstance(v, SharedVariable) else v.data)
+                    for v in row_roots]
+        self.row_shared = [pytensor.shared(np.empty((0, *r.shape[1:]), dtype=ph.type.dtype), name=ph.name,
+                                           shape=ph.type.shape) for r, ph in zip(rows_all, row_ph)]
+        self.givens = list(zip(row_ph, self.row_shared))
+        self.fn = synk.function(inputs=[], bcast_inputs=param_ph, givens=self.givens,
+                                sliceable_shareds=self.row_shared,
                                 outputs=[(o, "sum") for o in outs], name=f"pymc_likelihood_{'_'.join(self.names)}")
+        synk.scatter(self.row_shared, rows_all)
         self._batched: dict[int, _Batched] = {}
-        self.row_data = [synk.data(np.asarray(v.get_value(borrow=True) if isinstance(v, SharedVariable)
-                                              else v.data), var=ph) for v, ph in zip(row_roots, row_ph)]
         self.param_data: list[Any] = [None] * len(params)
         self.pid = os.getpid()
         self.value_only = [0]
@@ -175,11 +182,11 @@ class _Split:
             else:
                 d.data[...] = v
         if not self.float_params:  # one output: the value
-            return [self.fn(*self.row_data, *data)]
+            return [self.fn(*data)]
         if not with_grad:
-            out = self.fn(*self.row_data, *data, output_subset=self.value_only)
+            out = self.fn(*data, output_subset=self.value_only)
             return out if isinstance(out, list) else [out]
-        value, flat = self.fn(*self.row_data, *data)
+        value, flat = self.fn(*data)
         return [value, *self._unpack(values, flat)]
 
     def _unpack(self, values: Sequence[Any], flat: np.ndarray) -> list[np.ndarray]:
@@ -203,7 +210,14 @@ class _Split:
         return self.batched(width)(points, with_grad)
 
     def free(self) -> None:
-        for d in [*self.row_data, *self.param_data, *(d for b in self._batched.values() for d in b.param_data)]:
+        import synkhronos as synk
+
+        try:  # the ranks' parts of the rows: emptied
+            synk.scatter(self.row_shared, [np.empty((0, *v.get_value(borrow=True).shape[1:]), v.dtype)
+                                           for v in self.row_shared])
+        except Exception as exc:  # a group that broke while the block ran
+            _log.debug("data_parallel: emptying the rows: %r", exc)
+        for d in [*self.param_data, *(d for b in self._batched.values() for d in b.param_data)]:
             if d is not None:
                 try:
                     d.free_memory()
