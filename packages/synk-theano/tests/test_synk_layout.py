@@ -1,6 +1,7 @@
-"""The packages' import graphs have no cycles (issue 17, item 7): every import a module runs, at its
-top or inside a function, counts; imports under ``if TYPE_CHECKING:`` (annotations only) do not.
-Built with ``ast`` from the sources, no package is imported."""
+"""The packages' layout: their import graphs have no cycles (every import a module runs, at its top or
+inside a function, counts; imports under ``if TYPE_CHECKING:`` (annotations only) do not), and no
+module is longer than :data:`MAX_LINES` unless :data:`LONG_MODULES` says why.  Built from the
+sources (``ast``, line counts), no package is imported."""
 
 from __future__ import annotations
 
@@ -121,3 +122,34 @@ def test_commands_and_exceptions_have_one_home_each():
                 assert not (isinstance(value, str) and value.startswith("synkhronos.") and value.count(".") >= 1
                             and " " not in value and value[11:].replace(".", "").replace("_", "").isalpha()), \
                     f"{path.name}: command {value!r} outside protocol.py"
+
+
+MAX_LINES = 450
+"""The longest a module may be (lines) without a reason in :data:`LONG_MODULES`."""
+
+LONG_MODULES = {
+    "synk-lasagne/src/synk_lasagne/updates.py": "mirrors lasagne.updates: every update rule in one module, as Lasagne",
+    "synk-lasagne/src/synk_lasagne/layers/conv.py": "mirrors lasagne.layers.conv, one module per Lasagne module",
+    "synk-lasagne/src/synk_lasagne/layers/pool.py": "mirrors lasagne.layers.pool, one module per Lasagne module",
+    "synk-lasagne/src/synk_lasagne/layers/recurrent.py": "mirrors lasagne.layers.recurrent, one module per Lasagne "
+                                                         "module",
+    "synk-lasagne/src/synk_lasagne/layers/special.py": "mirrors lasagne.layers.special, one module per Lasagne module",
+}
+"""Modules allowed past :data:`MAX_LINES`, each with its reason (path under ``packages/``)."""
+
+
+def module_lengths() -> dict[str, int]:
+    """Lines of every module of the four packages, by path under ``packages/``."""
+    return {path.relative_to(PACKAGES).as_posix(): len(path.read_text().splitlines())
+            for path in sorted(PACKAGES.glob("*/src/**/*.py"))}
+
+
+def test_no_module_is_longer_than_the_limit_without_a_reason():
+    lengths = module_lengths()
+    assert len(lengths) > 50
+    too_long = {path: n for path, n in lengths.items() if n > MAX_LINES and path not in LONG_MODULES}
+    assert not too_long, (f"modules over {MAX_LINES} lines: {too_long}; split them along their seams (or, if "
+                          "one must stay whole, add it to LONG_MODULES with the reason)")
+    stale = sorted(path for path in LONG_MODULES if lengths.get(path, 0) <= MAX_LINES)
+    assert not stale, f"LONG_MODULES lists modules that are gone or no longer too long: remove {stale}"
+    assert all(reason.strip() for reason in LONG_MODULES.values())
