@@ -68,16 +68,14 @@ class _Batched:
         try:
             with warnings.catch_warnings():  # compiled in JAX mode: JAX drops PyTensor's shape asserts
                 warnings.filterwarnings("ignore", message=SKIPPED_ASSERT)
-                self.fn = synk.function(inputs=[], bcast_inputs=batched_ph, givens=split.givens,
-                                        sliceable_shareds=split.row_shared, outputs=[(o, "sum") for o in outs],
-                                        name=name, **mode)
+                self.fn = synk.function(bcast_inputs=batched_ph, outputs=[(o, "sum") for o in outs], name=name,
+                                        **split.rows_in.build, **mode)
         except Exception as exc:
             if not mode:
                 raise
             _log.info("data_parallel: %s does not compile in JAX mode (%r): the ranks' own choice", name, exc)
-            self.fn = synk.function(inputs=[], bcast_inputs=batched_ph, givens=split.givens,
-                                    sliceable_shareds=split.row_shared, outputs=[(o, "sum") for o in outs],
-                                    name=name)
+            self.fn = synk.function(bcast_inputs=batched_ph, outputs=[(o, "sum") for o in outs], name=name,
+                                    **split.rows_in.build)
         self.param_data: list[Any] = [None] * len(param_ph)
         self.called = False
 
@@ -119,13 +117,13 @@ class _Batched:
                 arr[slot] = points.get(slot, first)[i]
         data = self.param_data
         if not split.float_params:
-            values = self._call(*data)
+            values = self._call(*split.rows_in.args, *data)
             return {slot: [values[slot]] for slot in points}
         if not with_grad:
-            out = self._call(*data, output_subset=[0])
+            out = self._call(*split.rows_in.args, *data, output_subset=[0])
             values = out[0] if isinstance(out, list) else out
             return {slot: [values[slot]] for slot in points}
-        values, flat = self._call(*data)
+        values, flat = self._call(*split.rows_in.args, *data)
         return {slot: [values[slot], *split._unpack(points[slot], flat[slot])] for slot in points}
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
