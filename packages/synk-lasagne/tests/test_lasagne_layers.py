@@ -36,6 +36,28 @@ def test_dense_layer_values_and_flattening():
         layers.DenseLayer(layers.InputLayer((None, None)), 3)
 
 
+def test_outputs_have_lasagne_types_and_compiled_graphs_the_static_shapes():
+    """As in Lasagne (Theano's types know only the lengths of 1), a value of another shape can
+    stand for a layer's output; a compiled function still sees the static shapes (the retyping
+    view is rewritten away) and computes the layer."""
+    from synk_lasagne.layers.helper import LasagneTypedOp
+
+    net = layers.InputLayer((None, 4))
+    dense = layers.DenseLayer(net, 3, nonlinearity=None)
+    out = layers.get_output(dense)
+    assert out.type.shape == (None, None) and dense.W.type.shape == (4, 3)
+    assert layers.get_output(net) is net.input_var
+    value = images((2, 5))
+    np.testing.assert_array_equal(out.eval({out: value}), value)
+    f = pytensor.function([net.input_var], [out, pytensor.grad(out.sum(), dense.W)])
+    assert not any(isinstance(node.op, LasagneTypedOp) for node in f.maker.fgraph.apply_nodes)
+    assert f.maker.fgraph.outputs[0].type.shape == (None, 3)
+    x = images((5, 4))
+    y, g = f(x)
+    np.testing.assert_allclose(y, x @ dense.W.get_value() + dense.b.get_value())
+    np.testing.assert_allclose(g, x.T @ np.ones((5, 3)))
+
+
 @pytest.mark.parametrize("kwargs", [{"pad": "same", "dilation": 2}, {"pad": "valid", "stride": 2}, {"pad": "full"},
                                     {"pad": 1, "dilation": 2}, {"pad": (2, 1), "num_groups": 2}])
 def test_conv_layer_matches_numpy_and_its_output_shape(kwargs):

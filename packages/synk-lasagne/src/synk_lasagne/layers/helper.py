@@ -18,7 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
+from pytensor.graph.rewriting.basic import node_rewriter
+from pytensor.tensor.rewriting.basic import register_canonicalize, register_specialize
 
+from synk_lasagne._backends import register_jax, register_perform
 from synk_lasagne.layers.base import Layer, MergeLayer
 from synk_lasagne.layers.input import InputLayer
 
@@ -92,7 +97,19 @@ def get_output(layer_or_layers: Any, inputs: Any = None, **kwargs: Any) -> Any:
     Returns
     -------
     expression, or list of expressions
+        The outputs of the layers computed here have a Lasagne expression's type: it knows which
+        lengths are 1 (Theano's broadcastable pattern) and no other length, so that, as in
+        Lasagne, a value of another shape can stand for one (``out.eval({out: value})``,
+        ``givens``), whatever the parameters' static shapes say.  The graph below keeps the
+        static shapes, and compiled functions see them (a rewrite removes the retyping view).
+        The InputLayers' variables and the given expressions are returned as they are.
     """
+    return _get_output(layer_or_layers, inputs, True, **kwargs)
+
+
+def _get_output(layer_or_layers: Any, inputs: Any, typed: bool, **kwargs: Any) -> Any:
+    """:func:`get_output`; ``typed=False``: the layers' outputs as they are (for the recurrent
+    layers' networks, whose outputs build the loop's step)."""
     from synk_lasagne.utils import as_theano_expression
 
     layers, single = _as_list(layer_or_layers)
@@ -127,8 +144,63 @@ def get_output(layer_or_layers: Any, inputs: Any = None, **kwargs: Any) -> Any:
         outputs[lay] = lay.get_output_for(layer_inputs, **kwargs)
     if kwargs:
         _warn_unused(kwargs, all_layers)
-    results = [outputs[lay] for lay in layers]
+    results = [outputs[lay] if lay in given or isinstance(lay, InputLayer) or not typed else
+               _lasagne_typed(outputs[lay]) for lay in layers]
     return results[0] if single else results
+
+
+class LasagneTypedOp(Op):  # type: ignore[misc]
+    """``x`` itself (a view) with a type that knows only which of its lengths are 1: see
+    :func:`_lasagne_typed`."""
+
+    __props__ = ()
+    view_map = {0: [0]}
+
+    def make_node(self, *inputs: Any) -> Apply:
+        (x,) = inputs
+        shape = tuple(1 if n == 1 else None for n in x.type.shape)
+        return Apply(self, [x], [x.type.clone(shape=shape)()])
+
+    def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
+        output_storage[0][0] = inputs[0]
+
+    def infer_shape(self, *args: Any) -> Any:
+        """PyTensor before 3.3 passes ``(fgraph, node, input_shapes)``, 3.3 ``(node, input_shapes)``."""
+        return [args[-1][0]]
+
+    def pullback(self, inputs: Any, outputs: Any, cotangents: Any) -> Any:
+        return [inputs[0].type.filter_variable(cotangents[0], allow_convert=True)]
+
+
+@node_rewriter([LasagneTypedOp])
+def _remove_lasagne_typed(fgraph: Any, node: Any) -> Any:
+    """The compiled graph reads ``x`` itself, with its static shape."""
+    return [node.inputs[0]]
+
+
+register_canonicalize(_remove_lasagne_typed)
+register_specialize(_remove_lasagne_typed)
+register_perform(LasagneTypedOp)
+register_jax(LasagneTypedOp, lambda op, **kwargs: lambda x: x)
+
+
+def _lasagne_typed(expression: Any) -> Any:
+    """``expression`` with the type a Lasagne expression has: it knows which lengths are 1 (the
+    broadcastable pattern of Theano's types) and no other length.
+
+    :func:`get_output` returns the layers' outputs so: as with Lasagne, a value of another shape
+    can stand for one (``out.eval({out: value})``, ``givens``), whatever the parameters' static
+    shapes say.  The graph below keeps them, and a rewrite (canonicalize, specialize) removes this
+    view before compilation, so that compiled functions (the JAX backend's in particular) see the
+    static shapes.  A non-tensor, or a tensor whose type has no other static length, is returned
+    as it is."""
+    from pytensor.tensor.variable import TensorVariable
+
+    if not isinstance(expression, TensorVariable):
+        return expression
+    if all(n is None or n == 1 for n in expression.type.shape):
+        return expression
+    return LasagneTypedOp()(expression)
 
 
 def _given(known: dict[Any, Any], input_layer: Any, layer: Any, how: str) -> Any:

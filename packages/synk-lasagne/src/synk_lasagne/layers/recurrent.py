@@ -39,7 +39,7 @@ from synk_lasagne import nonlinearities
 from synk_lasagne.init import Constant, Normal, Uniform
 from synk_lasagne.layers.base import Layer, MergeLayer
 from synk_lasagne.layers.dense import DenseLayer
-from synk_lasagne.layers.helper import _accepted_kwargs, get_all_layers, get_all_params, get_output
+from synk_lasagne.layers.helper import _accepted_kwargs, _get_output, get_all_layers, get_all_params
 from synk_lasagne.layers.input import InputLayer
 
 __all__ = ["CustomRecurrentLayer", "GRULayer", "Gate", "LSTMLayer", "RecurrentLayer"]
@@ -265,13 +265,14 @@ class CustomRecurrentLayer(_Recurrent):
         if self.precompute_input:
             flat = pt.reshape(sequence, (-1, *[sequence.shape[i] for i in range(2, sequence.ndim)]),
                               ndim=sequence.ndim - 1)
-            mapped = get_output(self.input_to_hidden, flat, **kwargs)
+            mapped = _get_output(self.input_to_hidden, flat, False, **kwargs)
             sequence = pt.reshape(mapped, (seq_len, num_batch, *[mapped.shape[i] for i in range(1, mapped.ndim)]),
                                   ndim=mapped.ndim + 1)
 
         def step(x_t: Any, hid_previous: Any) -> list[Any]:
-            hid_pre = get_output(self.hidden_to_hidden, hid_previous, **kwargs)
-            hid_pre = hid_pre + (x_t if self.precompute_input else get_output(self.input_to_hidden, x_t, **kwargs))
+            hid_pre = _get_output(self.hidden_to_hidden, hid_previous, False, **kwargs)
+            x_t = x_t if self.precompute_input else _get_output(self.input_to_hidden, x_t, False, **kwargs)
+            hid_pre = hid_pre + x_t
             return [self.nonlinearity(self._clip(hid_pre))]
 
         hid_init = self._initial_value("hid_init", inputs, num_batch)
