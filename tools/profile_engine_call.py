@@ -14,8 +14,8 @@ Three parts, each in a fresh interpreter:
             the inputs' memory registered with the GPU and without (``SYNK_PIN_INPUTS=0``).
 ``plain``   the reference: plain PyTensor JAX's tiny call.
 ``--pymc``  instead of the above: GPU mode's call path as :mod:`synkhronos.pymc` uses it, in
-            float64 -- a tiny call of the likelihood's shape (rows scattered, parameters broadcast
-            as ``synk.data``, two outputs reduced with ``sum``), then PyMC's ``logp_dlogp_function``
+            float64 -- a tiny call with its outputs (one row scattered, 21 parameters broadcast as
+            ``synk.data``, two outputs reduced with ``sum``), then PyMC's ``logp_dlogp_function``
             of a one-row logistic regression inside ``data_parallel`` (``bench_pymc.make_model``).
 
     python tools/profile_engine_call.py            # on a machine with a GPU

@@ -34,14 +34,20 @@ class _RowsIn(NamedTuple):
     shared: list[Any]
 
 
-def _rows_in_the_ranks(row_ph: list[Any], rows_all: list[np.ndarray]) -> _RowsIn:
-    """GPU mode: the rows live in the ranks, in sliceable shared variables (each rank its own part, on
-    its GPU, scattered once), where inputs would travel from the host to the GPU at every evaluation
-    (1,000,000 rows of 20 features on one H200: 1.06 ms per evaluation in the ranks, 4.63 ms as
-    inputs).  CPU mode keeps the rows as scattered inputs, which its ranks read in shared memory
-    (16 ranks: 7.4 ms per evaluation as inputs, 9.8 ms as sliceable shared variables)."""
+def _rows_in(row_ph: list[Any], rows_all: list[np.ndarray]) -> _RowsIn:
+    """Where the rows live.  GPU mode: in the ranks, in sliceable shared variables (each rank its own
+    part, on its GPU, scattered once by the caller), where inputs would travel from the host to the
+    GPU at every evaluation (1,000,000 rows of 20 features on one H200: 1.06 ms per evaluation in the
+    ranks, 4.63 ms as inputs).  CPU mode: scattered inputs, which its ranks read in shared memory (16
+    ranks: 7.4 ms per evaluation as inputs; 9.8 ms as sliceable shared variables, on another host of
+    the same kind)."""
     import pytensor
 
+    import synkhronos as synk
+    from synkhronos.runtime import get_runtime
+
+    if not get_runtime().device.use_gpu:
+        return _RowsIn({"inputs": row_ph}, [synk.data(r, var=ph) for r, ph in zip(rows_all, row_ph)], [])
     shared = [pytensor.shared(np.empty((0, *r.shape[1:]), dtype=ph.type.dtype), name=ph.name, shape=ph.type.shape)
               for r, ph in zip(rows_all, row_ph)]
     return _RowsIn({"inputs": [], "givens": list(zip(row_ph, shared)), "sliceable_shareds": shared}, [], shared)
@@ -110,7 +116,9 @@ class _Split:
         params, param_ph = [p for p, ph in zip(params, param_ph) if ph in used], [ph for ph in param_ph if ph in used]
         self.params = params
         self.float_params = [i for i, p in enumerate(params) if p.type.dtype.startswith("float")]
-        self._dry_run(model, rvs, row_roots, row_ph, params, param_ph, local_terms)
+        rows_all = [np.asarray(v.get_value(borrow=True) if isinstance(v, SharedVariable) else v.data)
+                    for v in row_roots]
+        self._dry_run(model, rvs, rows_all, row_ph, params, param_ph, local_terms)
         self.check_bounds = bool(model.check_bounds)
         self._graph = (row_ph, param_ph, local_terms)
         total = pt.add(*(pt.sum(t, dtype="float64") for t in local_terms)) if len(local_terms) > 1 \
@@ -122,10 +130,7 @@ class _Split:
         packed = [pt.concatenate([pt.cast(g, "float64").ravel() for g in grads])] if len(grads) else []
         outs = _without_checks(self.check_bounds, [total, *packed])
         self.dtype = outs[0].type.dtype
-        rows_all = [np.asarray(v.get_value(borrow=True) if isinstance(v, SharedVariable) else v.data)
-                    for v in row_roots]
-        self.rows_in = _rows_in_the_ranks(row_ph, rows_all) if get_runtime().device.use_gpu else _RowsIn(
-            {"inputs": row_ph}, [synk.data(r, var=ph) for r, ph in zip(rows_all, row_ph)], [])
+        self.rows_in = _rows_in(row_ph, rows_all)
         self.fn = synk.function(bcast_inputs=param_ph, outputs=[(o, "sum") for o in outs],
                                 name=f"pymc_likelihood_{'_'.join(self.names)}", **self.rows_in.build)
         if self.rows_in.shared:
@@ -143,8 +148,8 @@ class _Split:
         dims = model.named_vars_to_dims.get(rvs[0].name) if rvs[0].name else None
         return dims[0] if dims else None
 
-    def _dry_run(self, model: Any, rvs: Sequence[Any], row_roots: list[Any], row_ph: list[Any], params: list[Any],
-                 param_ph: list[Any], local_terms: list[Any]) -> None:
+    def _dry_run(self, model: Any, rvs: Sequence[Any], rows_all: list[np.ndarray], row_ph: list[Any],
+                 params: list[Any], param_ph: list[Any], local_terms: list[Any]) -> None:
         """Refuse a term whose row ``i`` is not a function of row ``i`` alone: evaluate the terms
         (in the master, on a few rows, at the model's initial point) on rows ``[0, k)`` and on rows
         ``[1, k)``; each must give one value per row, and the same values for the rows in both."""
@@ -169,8 +174,6 @@ class _Split:
                                  "data_parallel cannot give it to the ranks")
         fn = pytensor.function([*row_ph, *[ph for ph in param_ph]], local_terms, mode="FAST_COMPILE",
                                on_unused_input="ignore")
-        rows_all = [np.asarray(v.get_value(borrow=True) if isinstance(v, SharedVariable) else v.data)
-                    for v in row_roots]
         others = [f"{p.name or p} ({np.shape(v)[0]} rows)" for p, v in zip(params, values) if np.ndim(v)]
         why = ("the log-probability of a row depends on other rows, or on a parameter or data of another "
                f"length ({', '.join(others) or 'none'}: per-row latent variables and data containers of "
