@@ -8,7 +8,7 @@ that order):
 
 ``synk``
     ``synkhronos.pymc.data_parallel(model)`` over ``--ranks`` CPU ranks, PyMC's NUTS; the chains run
-    at once in the master, each evaluation of all of them in one call into the ranks
+    at once in PyMC's chain processes, each round of their evaluations in one call into the ranks
     (``cores=chains``).
 ``synk-seq``
     The same with ``cores=1``: the chains one after another, every evaluation on every rank.
@@ -186,13 +186,13 @@ def run_one(sampler: str, args: argparse.Namespace) -> dict[str, Any]:
 def per_evaluation(args: argparse.Namespace) -> None:
     """Milliseconds per evaluation of the log-probability and its gradient (``logp_dlogp_function``,
     what NUTS calls): PyMC's own function, the split one at ``rows`` rows, the split one for
-    ``--batch`` chains at once (``--batch`` threads, one call into the ranks for all of them, as
-    ``pm.sample`` runs its chains inside the block; per call and per chain's evaluation), and the
+    ``--batch`` chains' points in one call into the ranks (the call alone, as the master makes it
+    for ``pm.sample``'s chain processes inside the block; per call and per chain's evaluation), and the
     split one at one row per rank (the call path: master to ranks and back, with almost no rows).
     With ``--gpu`` the ranks are GPUs, and PyMC's function compiled for PyTensor's JAX backend on
     the GPU (one process, what numpyro evaluates) is timed last."""
     import synkhronos as synk
-    from synkhronos.pymc import _Batcher, data_parallel
+    from synkhronos.pymc import data_parallel
 
     def timed(fn: Any, q: np.ndarray, calls: int) -> float:
         fn(q)
@@ -202,11 +202,17 @@ def per_evaluation(args: argparse.Namespace) -> None:
         return (time.perf_counter() - start) / calls * 1e3
 
     def timed_batched(model: Any, q: np.ndarray, calls: int, k: int) -> float:
-        fns = [model.logp_dlogp_function(ravel_inputs=True) for _ in range(k)]
-        points = [q + 0.01 * i for i in range(k)]
-        _Batcher(k).run([lambda f=f, p=p: f(p) for f, p in zip(fns, points)])  # compiles the batched call
+        from synkhronos.pymc.split import _SPLITS
+
+        model.logp_dlogp_function(ravel_inputs=True)(q)  # the split exists once a function is built
+        split = next(iter(_SPLITS.values()))
+        initial = model.initial_point()
+        point = [np.full(np.shape(initial[p.name]), 0.01) for p in split.params]
+        points = {s: [p + 0.01 * s for p in point] for s in range(k)}
+        split.evaluate_many(points, k, True)  # compiles the batched call
         start = time.perf_counter()
-        _Batcher(k).run([lambda f=f, p=p: [f(p) for _ in range(calls)] for f, p in zip(fns, points)])
+        for _ in range(calls):
+            split.evaluate_many(points, k, True)
         return (time.perf_counter() - start) / calls * 1e3
 
     ranks = f"{args.ranks} GPU{'s' if args.ranks > 1 else ''}" if args.gpu else f"{args.ranks} ranks"

@@ -333,6 +333,40 @@ def test_a_function_of_another_mode_reads_shared_values_that_a_jax_function_upda
         np.testing.assert_allclose(synk.get_value(r, w), expected_w)
 
 
+@needs_jax
+def test_jax_functions_read_large_shared_values_in_place(default_backend_choice, monkeypatch):
+    """Backend JAX: a JAX-mode function reads a large shared value that it does not update (here a
+    rank's scattered rows) in place, lent to it for the call: the variable holds numpy before and
+    after, a function of another mode reads it as it is, ``get_value`` gives numpy, and a value
+    changed in place (an all-reduce) is what the next call reads."""
+    import jax
+
+    from synkhronos import cpu as cpu_mod
+
+    monkeypatch.setattr(cpu_mod, "LEND_BYTES", 64)
+    rows = np.arange(60.0).reshape(20, 3)
+    x = pytensor.shared(np.zeros((0, 3)), name="rows")
+    w = pt.vector("w")
+    synk.fork(2, use_gpu=False)
+    in_jax = synk.function([], bcast_inputs=[w], outputs=((x @ w).sum(), "sum"), sliceable_shareds=[x], name="in_jax")
+    in_c = synk.function([], bcast_inputs=[w], outputs=((x @ w).sum(), "sum"), sliceable_shareds=[x], mode="FAST_RUN",
+                         name="in_c")
+    synk.scatter(x, rows)
+    seen = []
+    lend = cpu_mod.lend_to_jax
+    monkeypatch.setattr(cpu_mod, "lend_to_jax", lambda cells: seen.append(lend(cells)) or seen[-1])
+    wd = synk.data(np.array([1.0, 2.0, 3.0]))
+    for f in (in_jax, in_c, in_jax):
+        np.testing.assert_allclose(f(wd), (rows @ [1.0, 2.0, 3.0]).sum())
+    assert in_jax._replica.full().mode == "JAX"
+    assert seen and all(isinstance(view, jax.Array) for lent in seen for _, _, view in lent) and seen[0]
+    assert type(x.container.storage[0]) is np.ndarray and type(x.get_value()) is np.ndarray
+    synk.all_reduce(x, "sum")  # in place, in each rank: both halves of the rows added
+    halves = rows[:10] + rows[10:]
+    np.testing.assert_allclose(in_jax(wd), 2 * (halves @ [1.0, 2.0, 3.0]).sum())
+    np.testing.assert_array_equal(synk.get_value(1, x), halves)
+
+
 def test_jax_or_default_recompiles_when_a_jax_call_fails_and_reruns_the_call():
     """A function that JAX compiles but cannot run (here: raises on its first call) falls back
     once; later calls use the default-mode function."""

@@ -161,15 +161,24 @@ def test_find_map_reaches_pymc_point(ranks):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
 
 
+def _evaluate_in_a_chain_process(fn, points, conn) -> None:
+    conn.send([fn(q) for q in points])
+    conn.close()
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_chains_batched_equal_each_chain_alone(ranks, name):
-    """Three chains (threads, each with its own compiled function, as pm.sample's chains are) whose
-    evaluations go to the ranks in one call: each value and gradient equal the unbatched one; the
-    chains evaluate 4, 2 and 3 points, so the later calls hold fewer points than slots.  On 2 ranks
-    (split evenly for the logistic model, unevenly for the others)."""
+    """Three chain processes (forked, each with its own compiled function, as pm.sample's chains
+    are) whose evaluations the master's chain server makes in one call: each value and gradient
+    equal the unbatched one; the chains evaluate 4, 2 and 3 points, so the later calls hold fewer
+    points than slots.  On 2 ranks (split evenly for the logistic model, unevenly for the others)."""
+    import multiprocessing
+    import warnings
+
     from pymc.blocking import DictToArrayBijection
 
-    from synkhronos.pymc import _Batcher
+    from synkhronos.pymc import _evaluate_many
+    from synkhronos.pymc.chains import _ChainServer
 
     if ranks != 2:
         pytest.skip("one group size is enough: the 2-rank group")
@@ -178,24 +187,25 @@ def test_chains_batched_equal_each_chain_alone(ranks, name):
     names = [v.name for v in model.continuous_value_vars]
     points = [[DictToArrayBijection.map({k: random_point(model, 10 * c + i)[k] for k in names}).data
                for i in range(n)] for c, n in enumerate([4, 2, 3])]
+    ctx = multiprocessing.get_context("fork")
     with data_parallel(model):
         fns = [model.logp_dlogp_function(ravel_inputs=True) for _ in points]
         alone = [[fn(q) for q in qs] for fn, qs in zip(fns, points)]
-        batcher = _Batcher(3)
-        together = batcher.run([lambda fn=fn, qs=qs: [fn(q) for q in qs] for fn, qs in zip(fns, points)])
-
-        def fails_after_two() -> None:
-            fns[1](points[1][0])
-            fns[1](points[1][1])
-            raise ValueError("a chain failed")
-
-        # a chain that fails stops the others at their next evaluation; its error is raised
-        stopping = _Batcher(3)
-        with pytest.raises(ValueError, match="a chain failed"):
-            stopping.run([lambda: [fns[0](q) for q in points[0] * 5], fails_after_two,
-                          lambda: [fns[2](q) for q in points[2] * 5]])
-    assert batcher.calls == 4  # one call per round of the chains' evaluations
-    assert stopping.calls <= 3
+        with _ChainServer(3, _evaluate_many, ()) as server, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+            pipes = [ctx.Pipe(duplex=False) for _ in points]
+            chains = [ctx.Process(target=_evaluate_in_a_chain_process, args=(fn, qs, w))
+                      for fn, qs, (_, w) in zip(fns, points, pipes)]
+            for p in chains:
+                p.start()
+            together = []
+            for r, _ in pipes:
+                assert r.poll(TIMEOUT), "a chain process did not answer"
+                together.append(r.recv())
+            for p in chains:
+                p.join(TIMEOUT)
+    # at least one call per evaluation of the longest chain, at most one per evaluation
+    assert 4 <= server.calls <= 9, server.calls
     for want_chain, got_chain in zip(alone, together):
         assert len(got_chain) == len(want_chain)
         for (lw, dw), (lg, dg) in zip(want_chain, got_chain):
@@ -205,8 +215,9 @@ def test_chains_batched_equal_each_chain_alone(ranks, name):
 
 @CPU_ONLY
 def test_sample_chains_batched_agree_with_pymc(ranks, caplog):
-    """pm.sample(chains=2, cores=2) inside the block (the chains batched) against PyMC's own
-    sampling outside it: every posterior mean within 4 Monte-Carlo standard errors."""
+    """pm.sample(chains=2, cores=2) inside the block (PyMC's chain processes, their evaluations
+    batched) against PyMC's own sampling outside it: every posterior mean within 4 Monte-Carlo
+    standard errors; and the same draws again from the same seed."""
     import arviz as az
 
     if ranks != 2:
@@ -216,7 +227,10 @@ def test_sample_chains_batched_agree_with_pymc(ranks, caplog):
                   model=model)
     with caplog.at_level("INFO", logger="synkhronos.pymc"), data_parallel(model):
         idata = pm.sample(cores=2, **kwargs)
-    assert any("2 at a time" in r.getMessage() for r in caplog.records), "the chains did not run batched"
+        again = pm.sample(cores=2, **kwargs)
+    assert any("chain processes, 2 at a time" in r.getMessage() for r in caplog.records), "the chains were not batched"
+    for var in ("a", "b", "sigma"):  # which points went together never changes a chain's draws
+        np.testing.assert_array_equal(again.posterior[var].values, idata.posterior[var].values)
     want = pm.sample(cores=1, **kwargs)
     assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == 100
     for var in ("a", "b", "sigma"):

@@ -164,14 +164,15 @@ class CpuDevice(Device):
         on XLA's threads -- and a rank pinned to one core has one such thread, which a callback
         reading its own arguments can wait on forever (seen: the main job's train step hung after
         about 30 epochs).  Backend ``"jax"``: a function compiled in another mode reads the shared
-        values that JAX-mode functions updated as numpy (:class:`~synkhronos.cpu.NumpySharedInputs`)."""
+        values that JAX-mode functions updated as numpy (:class:`~synkhronos.cpu.NumpySharedInputs`); a
+        JAX-mode function reads large values in place (:class:`~synkhronos.cpu.JaxSharedInputs`)."""
         own_mode = kwargs.get("mode") is not None
         if self.backend != "jax":
             return build(**kwargs)
-        from synkhronos.cpu import JaxOrDefault, reading_numpy
+        from synkhronos.cpu import JaxOrDefault, for_rank
 
         if own_mode or (collectives and self.collectives_compile_apart(own_mode, in_program)):
-            return reading_numpy(build(**kwargs))
+            return for_rank(build(**kwargs))
         in_segment = collectives and in_program and self.all_reduce_segment is not None
         return JaxOrDefault(lambda mode: build(**kwargs) if mode is None else build(**kwargs, mode=mode),
                             name or "(unnamed)", fall_back_on_run=not in_segment, jax_mode=self.jax_mode)
@@ -210,7 +211,12 @@ class CpuDevice(Device):
         return np.asarray(var.container.storage[0])
 
     def set(self, var: SharedVariable, value: Any) -> None:
-        var.set_value(np.array(value, dtype=var.type.dtype, copy=True), borrow=True)
+        """A copy of ``value`` in 64-byte aligned memory: a JAX-mode function reads a large value
+        in place (:func:`synkhronos.cpu.lend_to_jax`)."""
+        if not hasattr(var.type, "dtype"):
+            var.set_value(value, borrow=True)
+            return
+        var.set_value(_aligned_copy(value, var.type.dtype), borrow=True)
 
     def take(self, var: SharedVariable, rows: Any) -> Any:
         return var.get_value(borrow=True)[rows]
@@ -226,3 +232,14 @@ class CpuDevice(Device):
             var.set_value(value, borrow=True)
             return
         var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)
+
+
+def _aligned_copy(value: Any, dtype: Any, align: int = 64) -> np.ndarray:
+    """A C-contiguous copy of ``value`` in ``dtype`` whose data starts on an ``align``-byte boundary."""
+    src = np.asarray(value, dtype=dtype)
+    nbytes = src.size * src.dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    out = raw[start:start + nbytes].view(src.dtype).reshape(src.shape)
+    out[...] = src
+    return out

@@ -210,6 +210,7 @@ def fork(n_parallel: int | None = None, use_gpu: bool | None = None, master_rank
     rt.max_dim = max_dim
     rt.precision = precision
     rt.window = window
+    rt.cores = tuple(sorted({c for cores in core_sets for c in cores})) if core_sets else ()
     if not use_gpu and n_parallel > 1:
         # The master computes a share too: its BLAS gets its share of the cores, like each worker's
         # (set at the workers' launch); close() gives the master its threads back.

@@ -67,6 +67,7 @@ class Runtime:
         self.max_dim = 16  # fork(max_dim=...): the most dimensions of a function's variables
         self.precision = "default"  # fork(precision=...): the policy of functions that give none (master)
         self.thread_limits: Any = None  # CPU mode: the master's BLAS limit (threadpoolctl), undone by close
+        self.cores: tuple[int, ...] = ()  # CPU mode, ranks pinned: every core of the group (master)
         self.distributed: set[int] = set()  # function ids the workers have (master)
 
     def add_shared(self, sid: int, var: SharedVariable) -> None:

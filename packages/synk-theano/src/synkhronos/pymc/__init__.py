@@ -36,14 +36,18 @@ What is split and what is not
     term are refused too.  ``model.logp(sum=False)`` (per-row values) is not split.
 
 Chains
-    ``pm.sample(chains=k, cores=c)`` runs ``min(c, k)`` chains at once in this process (threads,
-    each with its own copy of the step method, each chain PyMC's own sampling loop), and every
-    evaluation of the running chains goes to the ranks in one call: the likelihood vectorised over
-    the chains' parameter points, the rows read once for all of them.  ``cores`` keeps its default
-    (``min(4, cpu_count)``); ``cores=1`` runs the chains one after another, each evaluation on
-    every rank.  Each chain's values equal its unbatched ones to rounding.  Other NUTS
-    implementations (``nuts_sampler="nutpie"``, ``"numpyro"``) compile the model their own way and
-    are refused inside the block.
+    ``pm.sample(chains=k, cores=c)`` runs PyMC's own chain processes, ``min(c, k)`` at a time as
+    PyMC runs them (``cores`` keeps its default, ``min(4, cpu_count)``), each chain's NUTS step in
+    its process, on any of the group's cores.  The master gathers the running chains'
+    evaluations and makes one call into the ranks for all of them: the likelihood vectorised over
+    the chains' parameter points, the rows read once for all of them.  A chain's draws do not
+    depend on which other chains' points went with its own (two runs from the same seed give the
+    same draws), and equal its unbatched ones to rounding.  ``cores=1`` runs the chains one after
+    another in this process, each evaluation on every rank.  ``mp_ctx`` is PyMC's (by default
+    ``"fork"`` on Linux; with ``"spawn"`` or ``"forkserver"`` the script needs its
+    ``if __name__ == "__main__":``, as outside the block).  Other NUTS implementations
+    (``nuts_sampler="nutpie"``, ``"numpyro"``) compile the model their own way and are refused
+    inside the block.
 """
 
 from __future__ import annotations
@@ -53,9 +57,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from synkhronos.errors import SplitError
-from synkhronos.pymc.chains import _batched_mp_sample
-from synkhronos.pymc.chains import _Batcher as _Batcher
+from synkhronos.pymc.chains import _sample_in_chain_processes
 from synkhronos.pymc.likelihood import _Hook
+from synkhronos.pymc.split import _SPLITS
 
 __all__ = ["SplitError", "data_parallel"]
 
@@ -87,11 +91,10 @@ def data_parallel(model: Any) -> Iterator[Any]:
     -----
     Splitting happens the first time PyMC builds the model's ``logp`` inside the block (its row
     arrays are scattered then, once).  Functions compiled inside the block call the ranks and work
-    only inside it.  ``pm.sample`` inside the block samples with PyMC's own NUTS
-    (``nuts_sampler`` other than ``"pymc"`` is refused) in this process: with ``cores > 1`` and
-    several chains, ``min(cores, chains)`` chains at once in threads, their evaluations batched in
-    one call into the ranks (in place of PyMC's chain processes); with ``cores=1`` one chain after
-    another.  A draw ``callback`` is called from the chain's thread, one call at a time.
+    only inside it, and in the chain processes of a ``pm.sample`` inside it.  ``pm.sample`` inside
+    the block samples with PyMC's own NUTS (``nuts_sampler`` other than ``"pymc"`` is refused): with
+    ``cores > 1`` and several chains in PyMC's chain processes, their evaluations batched in one
+    call into the ranks; with ``cores=1`` one chain after another in this process.
     """
     import pymc
 
@@ -124,7 +127,7 @@ def data_parallel(model: Any) -> Iterator[Any]:
     def mp_sample(**kwargs: Any) -> Any:
         if kwargs.get("model") is not model:  # another model's pm.sample: PyMC's chain processes
             return original_mp_sample(**kwargs)
-        return _batched_mp_sample(**kwargs)
+        return _sample_in_chain_processes(original_mp_sample, _evaluate_many, rt.cores, **kwargs)
 
     model.logp = hook.logp
     pymc.sample = sample
@@ -136,3 +139,8 @@ def data_parallel(model: Any) -> Iterator[Any]:
         mcmc._mp_sample = original_mp_sample
         vars(model).pop("logp", None)
         hook.close()
+
+
+def _evaluate_many(split_id: int, points: dict[int, Any], width: int, with_grad: bool) -> dict[int, list[Any]]:
+    """The chain server's evaluation: split ``split_id`` at each slot's point, in one call."""
+    return _SPLITS[split_id].evaluate_many(points, width, with_grad)

@@ -117,13 +117,13 @@ class _Batched:
                 arr[slot] = points.get(slot, first)[i]
         data = self.param_data
         if not split.float_params:
-            values = self._call(*split.rows_in.args, *data)
+            values = self._call(*data)
             return {slot: [values[slot]] for slot in points}
         if not with_grad:
-            out = self._call(*split.rows_in.args, *data, output_subset=[0])
+            out = self._call(*data, output_subset=[0])
             values = out[0] if isinstance(out, list) else out
             return {slot: [values[slot]] for slot in points}
-        values, flat = self._call(*split.rows_in.args, *data)
+        values, flat = self._call(*data)
         return {slot: [values[slot], *split._unpack(points[slot], flat[slot])] for slot in points}
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:

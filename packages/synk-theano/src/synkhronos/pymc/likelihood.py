@@ -12,6 +12,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 from synkhronos.errors import SplitError
+from synkhronos.pymc import chains
 from synkhronos.pymc.graph import _leading
 from synkhronos.pymc.split import _IDS, _SPLITS, _Split
 
@@ -38,15 +39,36 @@ class SplitLikelihood(Op):
             outputs += [inputs[i].type() for i in split.float_params]
         return Apply(self, inputs, outputs)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for a chain process (``pm.sample``'s spawn or forkserver): with the address of the
+        master's chain server where one runs."""
+        state = dict(self.__dict__)
+        address = chains.channel()
+        if address is not None:
+            state["_chain_server"] = address
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        address = state.pop("_chain_server", None)
+        self.__dict__.update(state)
+        _op_class()
+        if address is not None:
+            chains.adopt_channel(address)
+
     def perform(self, node: Any, inputs: Any, output_storage: Any) -> None:
         split = _SPLITS.get(self.split_id)
-        if split is None:
-            raise RuntimeError(f"likelihood split {self.split_id} is gone: its data_parallel block has ended "
-                               "(a function compiled inside the block runs only inside it)")
-        if os.getpid() != split.pid:
-            raise RuntimeError("a function compiled inside synkhronos.pymc.data_parallel ran in another process: "
-                               "it runs in the process that forked the ranks")
-        res = split(inputs, self.with_grad)
+        if split is not None and os.getpid() == split.pid:
+            res = split(inputs, self.with_grad)
+        else:  # a chain process of pm.sample: evaluated by the master with the other chains' points
+            chain = chains.client()
+            if chain is None and split is None:
+                raise RuntimeError(f"likelihood split {self.split_id} is gone: its data_parallel block has ended "
+                                   "(a function compiled inside the block runs only inside it)")
+            if chain is None:
+                raise RuntimeError("a function compiled inside synkhronos.pymc.data_parallel ran in another "
+                                   "process: it runs in the process that forked the ranks, or in the chain "
+                                   "processes of a pm.sample inside the block")
+            res = chain.evaluate(self.split_id, inputs, self.with_grad)
         for storage, value, var in zip(output_storage, res, node.outputs):
             storage[0] = np.asarray(value, dtype=var.type.dtype).reshape(var.type.shape if all(
                 s is not None for s in var.type.shape) else np.shape(value))

@@ -13,7 +13,6 @@ import numpy as np
 
 from synkhronos.errors import SplitError
 from synkhronos.pymc.batched import _Batched
-from synkhronos.pymc.chains import _LOCAL
 from synkhronos.pymc.graph import _leading, _rebuild, _rv_name, _without_checks
 
 _log = logging.getLogger(__name__)
@@ -26,31 +25,24 @@ _IDS = itertools.count(1)
 
 class _RowsIn(NamedTuple):
     """How a likelihood's functions read the observed rows: ``build``, the arguments of
-    :func:`synkhronos.function` that name them; ``args``, the Data given at each call (scattered
-    inputs); ``shared``, the sliceable shared variables that hold them in the ranks."""
+    :func:`synkhronos.function` that name them; ``shared``, the sliceable shared variables that
+    hold them in the ranks."""
 
     build: dict[str, Any]
-    args: list[Any]
     shared: list[Any]
 
 
-def _rows_in(row_ph: list[Any], rows_all: list[np.ndarray]) -> _RowsIn:
-    """Where the rows live.  GPU mode: in the ranks, in sliceable shared variables (each rank its own
-    part, on its GPU, scattered once by the caller), where inputs would travel from the host to the
-    GPU at every evaluation (1,000,000 rows of 20 features on one H200: 1.06 ms per evaluation in the
-    ranks, 4.63 ms as inputs).  CPU mode: scattered inputs, which its ranks read in shared memory (16
-    ranks: 7.4 ms per evaluation as inputs; 9.8 ms as sliceable shared variables, on another host of
-    the same kind)."""
+def _rows_in(row_ph: list[Any]) -> _RowsIn:
+    """Where the rows live: in the ranks, in sliceable shared variables (each rank its own part,
+    scattered once by the caller): on the GPU in GPU mode, read in place by CPU mode's JAX ranks
+    (:func:`synkhronos.cpu.lend_to_jax`).  As scattered inputs they would cross into XLA at every
+    evaluation: 1,000,000 rows of 20 features on one H200, 4.63 ms per evaluation as inputs
+    against 1.06 ms in the ranks."""
     import pytensor
 
-    import synkhronos as synk
-    from synkhronos.runtime import get_runtime
-
-    if not get_runtime().device.use_gpu:
-        return _RowsIn({"inputs": row_ph}, [synk.data(r, var=ph) for r, ph in zip(rows_all, row_ph)], [])
-    shared = [pytensor.shared(np.empty((0, *r.shape[1:]), dtype=ph.type.dtype), name=ph.name, shape=ph.type.shape)
-              for r, ph in zip(rows_all, row_ph)]
-    return _RowsIn({"inputs": [], "givens": list(zip(row_ph, shared)), "sliceable_shareds": shared}, [], shared)
+    shared = [pytensor.shared(np.empty((0, *ph.type.shape[1:]), dtype=ph.type.dtype), name=ph.name,
+                              shape=ph.type.shape) for ph in row_ph]
+    return _RowsIn({"inputs": [], "givens": list(zip(row_ph, shared)), "sliceable_shareds": shared}, shared)
 
 
 class _Split:
@@ -130,11 +122,10 @@ class _Split:
         packed = [pt.concatenate([pt.cast(g, "float64").ravel() for g in grads])] if len(grads) else []
         outs = _without_checks(self.check_bounds, [total, *packed])
         self.dtype = outs[0].type.dtype
-        self.rows_in = _rows_in(row_ph, rows_all)
+        self.rows_in = _rows_in(row_ph)
         self.fn = synk.function(bcast_inputs=param_ph, outputs=[(o, "sum") for o in outs],
                                 name=f"pymc_likelihood_{'_'.join(self.names)}", **self.rows_in.build)
-        if self.rows_in.shared:
-            synk.scatter(self.rows_in.shared, rows_all)
+        synk.scatter(self.rows_in.shared, rows_all)
         self._batched: dict[int, _Batched] = {}
         self.param_data: list[Any] = [None] * len(params)
         self.pid = os.getpid()
@@ -194,9 +185,6 @@ class _Split:
     def __call__(self, values: Sequence[Any], with_grad: bool) -> list[Any]:
         import synkhronos as synk
 
-        batcher = getattr(_LOCAL, "batcher", None)
-        if batcher is not None:  # a chain's thread: evaluated with the other chains' points, in one call
-            return batcher.evaluate(_LOCAL.slot, self, values, with_grad)
         data = self.param_data
         for i, v in enumerate(values):
             d = data[i]
@@ -205,11 +193,11 @@ class _Split:
             else:
                 d.data[...] = v
         if not self.float_params:  # one output: the value
-            return [self.fn(*self.rows_in.args, *data)]
+            return [self.fn(*data)]
         if not with_grad:
-            out = self.fn(*self.rows_in.args, *data, output_subset=self.value_only)
+            out = self.fn(*data, output_subset=self.value_only)
             return out if isinstance(out, list) else [out]
-        value, flat = self.fn(*self.rows_in.args, *data)
+        value, flat = self.fn(*data)
         return [value, *self._unpack(values, flat)]
 
     def _unpack(self, values: Sequence[Any], flat: np.ndarray) -> list[np.ndarray]:
@@ -241,7 +229,7 @@ class _Split:
                                                    for v in self.rows_in.shared])
             except Exception as exc:  # a group that broke while the block ran
                 _log.debug("data_parallel: emptying the rows: %r", exc)
-        for d in [*self.rows_in.args, *self.param_data, *(d for b in self._batched.values() for d in b.param_data)]:
+        for d in [*self.param_data, *(d for b in self._batched.values() for d in b.param_data)]:
             if d is not None:
                 try:
                     d.free_memory()
