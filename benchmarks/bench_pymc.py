@@ -142,9 +142,14 @@ def run_one(sampler: str, args: argparse.Namespace) -> dict[str, Any]:
     setup = None
     progress = None
     if sampler in ("synk", "synk-seq"):
+        import logging
+
         import synkhronos as synk
         from synkhronos.pymc import data_parallel
 
+        chains_log = logging.getLogger("synkhronos.pymc.chains")  # its summary: calls, points, ms
+        chains_log.setLevel(logging.INFO)
+        chains_log.addHandler(logging.StreamHandler(sys.stderr))
         start = time.perf_counter()
         synk.fork(args.ranks, use_gpu=args.gpu)
         setup = time.perf_counter() - start
@@ -422,6 +427,9 @@ def main() -> None:
                        "skipped": f"failed: {err.strip().splitlines()[-1:]}"}
             else:
                 row = json.loads(found[0])
+                for line in err.splitlines():  # synk's batched calls: how many, what they took
+                    if "batched calls" in line:
+                        print(f"  {sampler}: {line.strip()}", flush=True)
         add(row)
     if args.json and len(rows) > 1:
         print("", flush=True)

@@ -114,6 +114,7 @@ class _ChainServer:
                                 tuple(cpus))
         self.error: BaseException | None = None
         self.calls = 0
+        self.points = 0
         self.seconds_in_ranks = 0.0
         """Seconds of the calls into the ranks (the rest of the sampling: the chains' steps)."""
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -225,6 +226,7 @@ class _ChainServer:
                 except OSError:  # the chain is gone: its socket closes in the next select
                     pass
         self.calls += 1
+        self.points += len(pending)
 
 
 # -- a chain process's side --------------------------------------------------------------------
@@ -270,15 +272,24 @@ def _sample_in_chain_processes(original: Callable[..., Any], evaluate: Callable[
                                cpus: Sequence[int], **kwargs: Any) -> Any:
     """PyMC's ``_mp_sample`` (its chain processes, ``min(cores, chains)`` at a time), with a
     :class:`_ChainServer` evaluating their points in the ranks; an error of the ranks (a rank that
-    died) is raised as it is, not as PyMC's report of a failed chain."""
+    died) is raised as it is, not as PyMC's report of a failed chain.
+
+    The server's thread computes the master's share of each call on the master's core(s); this
+    thread, where PyMC's sampler answers each chain at each draw, moves to the group's other cores
+    while the chains run (else a chain's draw waits for the master's share of a call to end, and
+    misses the next round)."""
     width = min(int(kwargs["cores"]), int(kwargs["chains"]))
     _log.info("data_parallel: %d chains in PyMC's chain processes, %d at a time, their evaluations batched",
               kwargs["chains"], width)
+    own = os.sched_getaffinity(0)
+    others = sorted(set(cpus) - own)
     start = time.perf_counter()
-    with _ChainServer(width, evaluate, cpus) as server, warnings.catch_warnings():
+    with _ChainServer(width, evaluate, others or cpus) as server, warnings.catch_warnings():
         # PyMC forks its chain processes (its default on Linux, as outside the block): they never call
         # JAX, whose warning at every fork of a process that runs it would tell the user nothing to do
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        if others:
+            os.sched_setaffinity(0, others)  # this thread only (Linux): the server's stays where it is
         try:
             return original(**kwargs)
         except BaseException as exc:
@@ -286,7 +297,10 @@ def _sample_in_chain_processes(original: Callable[..., Any], evaluate: Callable[
                 raise server.error from exc
             raise
         finally:
+            if others:
+                os.sched_setaffinity(0, own)
             if server.calls:
-                _log.info("data_parallel: %d batched calls, %.2f ms each in the ranks; %.2f ms a call in the chains' "
-                          "steps between them", server.calls, 1e3 * server.seconds_in_ranks / server.calls,
+                _log.info("data_parallel: %d batched calls of %.2f chains' points on average, %.2f ms each in the "
+                          "ranks; %.2f ms a call in the chains' steps between them", server.calls,
+                          server.points / server.calls, 1e3 * server.seconds_in_ranks / server.calls,
                           1e3 * (time.perf_counter() - start - server.seconds_in_ranks) / server.calls)
