@@ -69,9 +69,9 @@ def one(n: int, calls: int) -> dict[str, float]:
         timed(fm.Function, "_prepare", "prepare")
     timed(calls_mod, "share", "own")
     timed(gm.Group, "_collect", "collect")
-    from synkhronos import cpu
+    from synkhronos import rank_functions
 
-    timed(cpu.JaxOrDefault, "__call__", "jax")
+    timed(rank_functions.JaxOrDefault, "__call__", "jax")
     timed(fm.Function, "_gather", "gather")
     entry = "start_command" if hasattr(gm.Group, "start_command") else "command"  # every command starts there
     start = getattr(gm.Group, entry)

@@ -71,7 +71,7 @@ if os.environ.get("SYNK_PROBE_PHASES_DIR"):
         "synkhronos.calls": [("execute", "share"), ("compute", "compute"), ("reply", "reply"),
                              ("decode", "decode")],
         "synkhronos.function": [("Function._prepare", "plan"), ("Function._gather", "combine")],
-        "synkhronos.cpu": [("JaxOrDefault.__call__", "jax")],
+        "synkhronos.rank_functions": [("JaxOrDefault.__call__", "jax")],
         "synk_comm.group": [("Group.barrier", "barrier"), ("Group.start_command", "start"),
                             ("Group.finish_command", "finish")],
     }

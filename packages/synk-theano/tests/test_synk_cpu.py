@@ -24,7 +24,7 @@ from synk_testutil import TIMEOUT, USE_GPU, TwiceInPython, assert_no_workers_lef
 
 import synkhronos as synk
 from synk_comm import WorkerError, cores
-from synkhronos import blas, cpu, ops
+from synkhronos import blas, cpu, ops, rank_functions
 from synkhronos.runtime import current
 
 pytestmark = [pytest.mark.timeout(TIMEOUT),
@@ -341,9 +341,7 @@ def test_jax_functions_read_large_shared_values_in_place(default_backend_choice,
     changed in place (an all-reduce) is what the next call reads."""
     import jax
 
-    from synkhronos import cpu as cpu_mod
-
-    monkeypatch.setattr(cpu_mod, "LEND_BYTES", 64)
+    monkeypatch.setattr(rank_functions, "LEND_BYTES", 64)
     rows = np.arange(60.0).reshape(20, 3)
     x = pytensor.shared(np.zeros((0, 3)), name="rows")
     w = pt.vector("w")
@@ -353,8 +351,8 @@ def test_jax_functions_read_large_shared_values_in_place(default_backend_choice,
                          name="in_c")
     synk.scatter(x, rows)
     seen = []
-    lend = cpu_mod.lend_to_jax
-    monkeypatch.setattr(cpu_mod, "lend_to_jax", lambda cells: seen.append(lend(cells)) or seen[-1])
+    lend = rank_functions.lend_to_jax
+    monkeypatch.setattr(rank_functions, "lend_to_jax", lambda cells: seen.append(lend(cells)) or seen[-1])
     wd = synk.data(np.array([1.0, 2.0, 3.0]))
     for f in (in_jax, in_c, in_jax):
         np.testing.assert_allclose(f(wd), (rows @ [1.0, 2.0, 3.0]).sum())
@@ -381,7 +379,7 @@ def test_jax_or_default_recompiles_when_a_jax_call_fails_and_reruns_the_call():
             return _Fn(broken)
         return _Fn(lambda a: a + 1)
 
-    wrapped = cpu.JaxOrDefault.__new__(cpu.JaxOrDefault)
+    wrapped = rank_functions.JaxOrDefault.__new__(rank_functions.JaxOrDefault)
     wrapped._compile_fn, wrapped._name, wrapped._trust_input, wrapped.mode = compile_fn, "f", True, "JAX"
     wrapped._fall_back_on_run = True
     wrapped.fn = compile_fn("JAX")
@@ -587,7 +585,7 @@ def test_without_jax_the_ranks_use_pytensors_default_mode(default_backend_choice
     (pid,) = worker_pids()
     assert worker_environ(pid)[cpu.BACKEND_ENV] == "pytensor"
     f = synk.function(inputs, outputs=(loss, "avg"))
-    assert not isinstance(f._replica.full(), cpu.JaxOrDefault)
+    assert not isinstance(f._replica.full(), rank_functions.JaxOrDefault)
     reference = pytensor.function(inputs, loss, mode="FAST_RUN")
     np.testing.assert_allclose(f(synk.data(xd), synk.data(yd)), reference(xd, yd), rtol=1e-12)
 
@@ -602,7 +600,7 @@ def test_the_users_mode_wins(default_backend_choice, monkeypatch):
         synk.fork(2, use_gpu=False)
         x = pt.matrix("x")
         f = synk.function([x], outputs=(x.sum(), "sum"), mode="FAST_RUN")  # a function's own mode
-        assert not isinstance(f._replica.full(), cpu.JaxOrDefault)
+        assert not isinstance(f._replica.full(), rank_functions.JaxOrDefault)
         np.testing.assert_allclose(f(synk.data(np.ones((4, 2)))), 8.0)
 
 

@@ -117,7 +117,7 @@ class CpuDevice(Device):
     backend : str
         ``"jax"``: PyTensor's JAX mode (XLA CPU) for every function without a ``mode`` of its
         own, falling back per function to the default mode where JAX fails
-        (:class:`~synkhronos.cpu.JaxOrDefault`); ``"pytensor"``: PyTensor's configured mode.
+        (:class:`~synkhronos.rank_functions.JaxOrDefault`); ``"pytensor"``: PyTensor's configured mode.
         The master chooses (:func:`synkhronos.cpu.choose_backend`), the workers follow.
     ranks : int
         The group's ranks; 0 where not known (a worker: a group of several).  With one rank the
@@ -164,12 +164,12 @@ class CpuDevice(Device):
         on XLA's threads -- and a rank pinned to one core has one such thread, which a callback
         reading its own arguments can wait on forever (seen: the main job's train step hung after
         about 30 epochs).  Backend ``"jax"``: a function compiled in another mode reads the shared
-        values that JAX-mode functions updated as numpy (:class:`~synkhronos.cpu.NumpySharedInputs`); a
-        JAX-mode function reads large values in place (:class:`~synkhronos.cpu.JaxSharedInputs`)."""
+        values that JAX-mode functions updated as numpy (:class:`~synkhronos.rank_functions.NumpySharedInputs`); a
+        JAX-mode function reads large values in place (:class:`~synkhronos.rank_functions.JaxSharedInputs`)."""
         own_mode = kwargs.get("mode") is not None
         if self.backend != "jax":
             return build(**kwargs)
-        from synkhronos.cpu import JaxOrDefault, for_rank
+        from synkhronos.rank_functions import JaxOrDefault, for_rank
 
         if own_mode or (collectives and self.collectives_compile_apart(own_mode, in_program)):
             return for_rank(build(**kwargs))
@@ -212,7 +212,7 @@ class CpuDevice(Device):
 
     def set(self, var: SharedVariable, value: Any) -> None:
         """A copy of ``value`` in 64-byte aligned memory: a JAX-mode function reads a large value
-        in place (:func:`synkhronos.cpu.lend_to_jax`)."""
+        in place (:func:`synkhronos.rank_functions.lend_to_jax`)."""
         if not hasattr(var.type, "dtype"):
             var.set_value(value, borrow=True)
             return

@@ -35,7 +35,7 @@ class _RowsIn(NamedTuple):
 def _rows_in(row_ph: list[Any]) -> _RowsIn:
     """Where the rows live: in the ranks, in sliceable shared variables (each rank its own part,
     scattered once by the caller): on the GPU in GPU mode, read in place by CPU mode's JAX ranks
-    (:func:`synkhronos.cpu.lend_to_jax`).  As scattered inputs they would cross into XLA at every
+    (:func:`synkhronos.rank_functions.lend_to_jax`).  As scattered inputs they would cross into XLA at every
     evaluation: 1,000,000 rows of 20 features on one H200, 4.63 ms per evaluation as inputs
     against 1.06 ms in the ranks."""
     import pytensor
