@@ -2,8 +2,9 @@
 
 The model is ordinary PyMC.  Inside ``synkhronos.pymc.data_parallel(model)``, PyMC's NUTS
 evaluates the likelihood of the observed rows and its gradient on every rank (each rank its own
-rows, scattered once), and the priors once; the chains run at once in this process, the
-evaluations of all of them in one call into the ranks; the result is PyMC's ``InferenceData``.
+rows, scattered once), and the priors once; the chains run at once in PyMC's chain processes, and
+each round of their evaluations is one call into the ranks; the result is PyMC's
+``InferenceData``.
 
     python examples/pymc_logistic.py --rows 200000 --ranks 2 --draws 500 --tune 500
 
