@@ -217,7 +217,8 @@ def test_chains_batched_equal_each_chain_alone(ranks, name):
 def test_sample_chains_batched_agree_with_pymc(ranks, caplog):
     """pm.sample(chains=2, cores=2) inside the block (PyMC's chain processes, their evaluations
     batched) against PyMC's own sampling outside it: every posterior mean within 4 Monte-Carlo
-    standard errors; and the same draws again from the same seed."""
+    standard errors; and the same draws again from the same seed, with a third chain that waits
+    for a slot."""
     import arviz as az
 
     if ranks != 2:
@@ -227,10 +228,12 @@ def test_sample_chains_batched_agree_with_pymc(ranks, caplog):
                   model=model)
     with caplog.at_level("INFO", logger="synkhronos.pymc"), data_parallel(model):
         idata = pm.sample(cores=2, **kwargs)
-        again = pm.sample(cores=2, **kwargs)
+        # a third chain, which starts when one of the first two ends: the same first two chains
+        again = pm.sample(cores=2, **{**kwargs, "chains": 3})
     assert any("chain processes, 2 at a time" in r.getMessage() for r in caplog.records), "the chains were not batched"
+    assert again.posterior.sizes["chain"] == 3
     for var in ("a", "b", "sigma"):  # which points went together never changes a chain's draws
-        np.testing.assert_array_equal(again.posterior[var].values, idata.posterior[var].values)
+        np.testing.assert_array_equal(again.posterior[var].values[:2], idata.posterior[var].values)
     want = pm.sample(cores=1, **kwargs)
     assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == 100
     for var in ("a", "b", "sigma"):
