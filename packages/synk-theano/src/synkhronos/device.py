@@ -211,12 +211,14 @@ class CpuDevice(Device):
         return np.asarray(var.container.storage[0])
 
     def set(self, var: SharedVariable, value: Any) -> None:
-        """A copy of ``value`` in 64-byte aligned memory: a JAX-mode function reads a large value
-        in place (:func:`synkhronos.rank_functions.lend_to_jax`)."""
+        """A copy of ``value`` in aligned memory, which a JAX-mode function reads in place
+        (:func:`synkhronos.rank_functions.aligned_copy`)."""
+        from synkhronos.rank_functions import aligned_copy
+
         if not hasattr(var.type, "dtype"):
             var.set_value(value, borrow=True)
             return
-        var.set_value(_aligned_copy(value, var.type.dtype), borrow=True)
+        var.set_value(aligned_copy(value, var.type.dtype), borrow=True)
 
     def take(self, var: SharedVariable, rows: Any) -> Any:
         return var.get_value(borrow=True)[rows]
@@ -232,14 +234,3 @@ class CpuDevice(Device):
             var.set_value(value, borrow=True)
             return
         var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)
-
-
-def _aligned_copy(value: Any, dtype: Any, align: int = 64) -> np.ndarray:
-    """A C-contiguous copy of ``value`` in ``dtype`` whose data starts on an ``align``-byte boundary."""
-    src = np.asarray(value, dtype=dtype)
-    nbytes = src.size * src.dtype.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = (-raw.ctypes.data) % align
-    out = raw[start:start + nbytes].view(src.dtype).reshape(src.shape)
-    out[...] = src
-    return out

@@ -24,12 +24,14 @@ def _draws_random_numbers(fn: Any) -> bool:
     return any(isinstance(getattr(v, "type", None), RandomType) for v in fn.maker.fgraph.inputs)
 
 
-def _shared_input_cells(fn: Any) -> list[list[Any]]:
-    """The storage cells of a compiled function's shared-variable inputs (their containers')."""
+def _shared_input_cells(fn: Any, read_only: bool = False) -> list[list[Any]]:
+    """The storage cells of a compiled function's shared-variable inputs (their containers');
+    ``read_only``: only those of the variables it does not update."""
     maker = getattr(fn, "maker", None)
     if maker is None:
         return []
-    return [container.storage for container, spec in zip(fn.input_storage, maker.inputs) if spec.implicit]
+    return [container.storage for container, spec in zip(fn.input_storage, maker.inputs)
+            if spec.implicit and not (read_only and spec.update is not None)]
 
 
 def _numpy_in(cells: list[list[Any]]) -> None:
@@ -102,26 +104,35 @@ LEND_BYTES = 1 << 20
 below it, the copy that JAX makes costs less than lending (about 0.1 ms an array)."""
 
 
-def _read_only_shared_cells(fn: Any) -> list[list[Any]]:
-    """The storage cells of a compiled function's shared inputs that it does not update."""
-    maker = getattr(fn, "maker", None)
-    if maker is None:
-        return []
-    return [container.storage for container, spec in zip(fn.input_storage, maker.inputs)
-            if spec.implicit and spec.update is None]
+ALIGN_BYTES = 64
+"""XLA's CPU backend reads host memory in place (no copy) where it starts on this boundary."""
+
+
+def aligned_copy(value: Any, dtype: Any) -> np.ndarray:
+    """A C-contiguous copy of ``value`` in ``dtype`` whose data starts on an :data:`ALIGN_BYTES`
+    boundary: what :func:`lend_to_jax` lends (:meth:`synkhronos.device.CpuDevice.set` stores values
+    so)."""
+    src = np.asarray(value, dtype=dtype)
+    nbytes = src.size * src.dtype.itemsize
+    raw = np.empty(nbytes + ALIGN_BYTES, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN_BYTES
+    out = raw[start:start + nbytes].view(src.dtype).reshape(src.shape)
+    out[...] = src
+    return out
 
 
 def lend_to_jax(cells: list[list[Any]]) -> list[tuple[list[Any], Any, Any]]:
-    """For one call of a JAX-mode function: each large numpy value of ``cells`` (64-byte aligned,
+    """For one call of a JAX-mode function: each large numpy value of ``cells`` (aligned to
+    :data:`ALIGN_BYTES`,
     C-contiguous, a dtype JAX keeps) replaced by a JAX array that reads it in place, where JAX would
     copy a numpy value into XLA at every call (62,500 rows of 20 float64 features, a logistic
     likelihood's value and gradient at 4 points on one core: 7.3 ms a call read in place, 11.0 ms
-    copied).  :meth:`synkhronos.device.CpuDevice.set` stores values so aligned.  Returns what
+    copied).  :func:`aligned_copy` makes such values.  Returns what
     :func:`give_back` puts back after the call: the shared variables hold numpy again."""
     lent = []
     for cell in cells:
         value = cell[0]
-        if (type(value) is np.ndarray and value.nbytes >= LEND_BYTES and value.ctypes.data % 64 == 0
+        if (type(value) is np.ndarray and value.nbytes >= LEND_BYTES and value.ctypes.data % ALIGN_BYTES == 0
                 and value.flags.c_contiguous and _jax_keeps(value.dtype)):
             import jax
 
@@ -150,7 +161,9 @@ class JaxSharedInputs(_SharedInputs):
     (:func:`lend_to_jax`), and given back after it.
     """
 
-    cells = staticmethod(_read_only_shared_cells)
+    @staticmethod
+    def cells(fn: Any) -> list[list[Any]]:
+        return _shared_input_cells(fn, read_only=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         lent = lend_to_jax(self._cells) if self._cells else []

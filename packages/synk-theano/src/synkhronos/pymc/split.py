@@ -223,12 +223,11 @@ class _Split:
     def free(self) -> None:
         import synkhronos as synk
 
-        if self.rows_in.shared:  # the ranks' parts of the rows: emptied
-            try:
-                synk.scatter(self.rows_in.shared, [np.empty((0, *v.get_value(borrow=True).shape[1:]), v.dtype)
-                                                   for v in self.rows_in.shared])
-            except Exception as exc:  # a group that broke while the block ran
-                _log.debug("data_parallel: emptying the rows: %r", exc)
+        try:  # the ranks' parts of the rows: emptied
+            synk.scatter(self.rows_in.shared, [np.empty((0, *v.get_value(borrow=True).shape[1:]), v.dtype)
+                                               for v in self.rows_in.shared])
+        except Exception as exc:  # a group that broke while the block ran
+            _log.debug("data_parallel: emptying the rows: %r", exc)
         for d in [*self.param_data, *(d for b in self._batched.values() for d in b.param_data)]:
             if d is not None:
                 try:
