@@ -529,10 +529,6 @@ def test_gpu_modes_code_across_hosts_on_emulated_gpus(monkeypatch):
     if current() is not None:
         synk.close()
     monkeypatch.setenv("SYNK_EMULATE_GPUS", "1")
-    # The master pins itself to its GPU through CUDA_VISIBLE_DEVICES, which every process started
-    # later inherits: put it back afterwards, or a later test's two-GPU job would see one GPU.
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # remembered as it was, restored at teardown
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with LocalNodes(nnodes=2, nproc_per_node=1, here=1) as nodes:
         assert synk.fork(use_gpu=True) == 2
         x = pt.matrix("x")

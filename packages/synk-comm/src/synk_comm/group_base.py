@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from synk_comm import cores as cores_mod
+from synk_comm import devices
 from synk_comm.buffers import Buffers
 from synk_comm.errors import GroupAborted, GroupBrokenError, RemoteError, WorkerDiedError, WorkerError, describe_exit
 from synk_comm.lockstep import (
@@ -219,10 +220,13 @@ class GroupBase:
             self._watchdog.stop()
 
     def _unpin(self) -> None:
-        """Give the master's threads the cores they had before :func:`start` pinned them."""
+        """Give the master's threads the cores they had before :func:`start` pinned them, and the
+        processes it starts from now on the GPUs it saw before (:func:`synk_comm.devices.unpin`)."""
         if self._affinity is not None:
             cores_mod.restore(self._affinity)
             self._affinity = None
+        if self.device is not None:
+            devices.unpin()
 
     def _shutdown(self, timeout: float) -> None:
         """Tell every worker to exit (after aborting whatever it is doing), join, clean up."""

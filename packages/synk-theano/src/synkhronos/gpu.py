@@ -72,7 +72,7 @@ def _jax_backend_initialised() -> bool:
 def prepare_master(n_parallel: int, master_rank: int) -> list[str]:
     """Pin the master to its GPU before JAX starts; returns the device entry of every rank."""
     gpus = visible_devices()[:n_parallel]
-    own = os.environ.get("CUDA_VISIBLE_DEVICES")
+    own = devices.pinned_device() or os.environ.get("CUDA_VISIBLE_DEVICES")  # what this process's JAX sees
     sees_one_gpu = own is not None and len([d for d in own.split(",") if d.strip()]) == 1
     if _jax_backend_initialised() and not sees_one_gpu and len(gpus) > 1:
         raise RuntimeError(
