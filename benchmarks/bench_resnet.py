@@ -9,6 +9,9 @@ the GPU, ``--steps`` timed steps after ``--warmup``:
                             process (gradient, momentum and batch-norm updates fused): what
                             PyTensor's JAX translation gives, without Synkhronos.  The loss is
                             read every step (as ours); ``(async)``: read once at the end.
+``plain JAX NHWC``          the same network written by hand in JAX (:mod:`jax_resnet`): images NHWC,
+                            one jitted step donating parameters, momenta and statistics; under
+                            bf16 the policy by hand.  The row a JAX user who writes for speed gets.
 ``synk N rank(s)``          :func:`synk_lasagne.make_train_function` on N GPUs (one chained
                             command per step: gradient into one flat vector, NCCL all-reduce,
                             update), images scattered into the GPUs (``batch_s``), ``--batches``
@@ -75,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classes", type=int, default=1000)
     parser.add_argument("--precisions", default="fp32,tf32", help="comma-separated: fp32 (strict), tf32, bf16")
     parser.add_argument("--gpus", type=int, default=None, help="largest GPU count of the scaling rows (default: all)")
-    parser.add_argument("--skip", default="", help="comma-separated rows to skip: plain, synk, torch, ddp")
+    parser.add_argument("--skip", default="", help="comma-separated rows to skip: plain, jax, synk, torch, ddp")
     parser.add_argument("--in-flight", type=int, default=0,
                         help="synk rows: beside the synchronous step, the step submitted (TrainFunction.submit, "
                              "pipelined on the JAX engine) with this many calls in flight, every step's loss read "
@@ -220,6 +223,47 @@ def plain_times(f: Any, xb: Any, yb: Any, args: argparse.Namespace, use_jax: boo
     out: list[Any] = []
     wait = (lambda: out and out[-1].block_until_ready()) if use_jax else None
     return synchronous, timed(lambda: out.append(f(xb, yb)), args.warmup, args.steps, finish=wait)
+
+
+# --- plain JAX, written by hand ------------------------------------------------------------------
+
+def jax_worker(args: argparse.Namespace) -> dict[str, float]:
+    """``{f"{precision} {batch}" and f"{precision} {batch} async": seconds per step}`` of the
+    hand-written JAX ResNet (:mod:`jax_resnet`), the images NHWC on the device."""
+    import jax
+    import jax_resnet
+
+    times = {}
+    for precision in args.precision_list:
+        jax.config.update("jax_default_matmul_precision", PRECISIONS[precision])
+        step, carry = jax_resnet.make_training(args.depth, args.width, args.classes, args.image_size,
+                                               bf16=precision == "bf16")
+        for batch in args.batch_list:
+            x, y = random_batch(args, batch)
+            xb, yb = jax.device_put(np.ascontiguousarray(x.transpose(0, 2, 3, 1))), jax.device_put(y)
+            t0 = time.perf_counter()
+            carry, loss = step(carry, xb, yb)
+            float(loss)
+            print(f"plain JAX {precision} batch {batch}: first call (compilation) {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+            times[f"{precision} {batch}"], times[f"{precision} {batch} async"], carry = \
+                jax_times(step, carry, xb, yb, args)
+    return times
+
+
+def jax_times(step: Any, carry: Any, xb: Any, yb: Any, args: argparse.Namespace) -> tuple[float, float, Any]:
+    """Seconds per step of the hand-written ``step`` on ``(xb, yb)``: the loss read every step, then
+    read once at the end; and the carry the last step returned (the others' are donated)."""
+    box, losses = [carry], []
+
+    def run() -> Any:
+        box[0], loss = step(box[0], xb, yb)
+        losses.append(loss)
+        return loss
+
+    synchronous = timed(lambda: float(run()), args.warmup, args.steps)
+    losses.clear()
+    return synchronous, timed(run, args.warmup, args.steps, finish=lambda: losses[-1].block_until_ready()), box[0]
 
 
 # --- Synkhronos ---------------------------------------------------------------------------------
@@ -419,6 +463,11 @@ def collect(args: argparse.Namespace, devices: list[str], use_gpu: bool) -> list
         for precision in args.precision_list:
             add(name, precision, 1, plain, precision + " {batch}")
             add(f"{name} (async)", precision, 1, plain, precision + " {batch} async")
+    if "jax" not in args.skip_set and (use_gpu or jax_available()):
+        seconds = in_child(jax_worker, (args,), one) if use_gpu else jax_worker(args)
+        for precision in args.precision_list:
+            add("plain JAX NHWC", precision, 1, seconds, precision + " {batch}")
+            add("plain JAX NHWC (async)", precision, 1, seconds, precision + " {batch} async")
     counts = gpu_counts(len(devices)) if use_gpu else [2]  # a dry run: the 2-rank row checks the same code as 1
     for precision in args.precision_list:
         if "synk" not in args.skip_set:

@@ -105,13 +105,14 @@ if [ "$what" = resnet-scaling ]; then
     --skip plain --in-flight 2 2>&1 | grep -v "WatchTasksAsync\|GRPC error\|CANCELLED\|UNAVAILABLE\|Source Location\|grpc_util\|^$" \
     | tee "$OUT/bench_resnet_scaling.log" || status=1
 fi
-# Mixed precision on ONE GPU (synkhronos.precision): ResNet-50 images/s in bf16 -- ours (precision="bf16"),
-# plain PyTensor JAX under the policy, torchvision AMP (NCHW, channels_last) and AMP + channels_last +
-# torch.compile -- at BATCHES (default 128,256; PRECISIONS=tf32,bf16 adds the TF32 rows, in a second call
-# if one call's 10 minutes do not hold both)
+# Mixed precision on ONE GPU (synkhronos.precision): ResNet-50 images/s in bf16 -- ours (precision="bf16", the
+# step called and, with IN_FLIGHT (default 3) steps in flight, submitted), plain PyTensor JAX under the policy,
+# the hand-written JAX network (NHWC, benchmarks/jax_resnet.py), torchvision AMP (NCHW, channels_last) and AMP +
+# channels_last + torch.compile -- at BATCHES (default 128,256; PRECISIONS=tf32,bf16 adds the TF32 rows, in a
+# second call if one call's 10 minutes do not hold both; SKIP (default ddp) leaves rows out)
 if [ "$what" = resnet-bf16 ]; then
   timeout 570 python3 benchmarks/bench_resnet.py --gpus 1 --batches "${BATCHES:-128,256}" --precisions "${PRECISIONS:-bf16}" \
-    --skip ddp 2>&1 | tee "$OUT/bench_resnet_bf16.log" || status=1
+    --skip "${SKIP:-ddp}" --in-flight "${IN_FLIGHT:-3}" 2>&1 | tee "$OUT/bench_resnet_bf16.log" || status=1
 fi
 # The benchmark MLP's step in TF32 and bf16 against DDP (+ autocast bf16) on every GPU, then the CNN MNIST demo in
 # bf16 and in the default precision (accuracy within 0.5 points is the goal)

@@ -48,7 +48,8 @@ def test_resnet_demo_learns(tmp_path):
 @pytest.mark.timeout(300)
 def test_bench_resnet_dry_run(tmp_path):
     """Every row of the benchmark on CPU (tiny network, one precision: on a CPU they differ only by a
-    flag): the plain PyTensor function, synk with 2 ranks, and torchvision when torch is importable;
+    flag): the plain PyTensor function, the hand-written JAX network, synk with 2 ranks, and
+    torchvision when torch is importable;
     the JSON it writes has every figure."""
     result, pid = run_script([BENCH, "--dry-run", "--precisions", "tf32"], cwd=str(tmp_path),
                              env={"OUT": str(tmp_path)})
@@ -62,7 +63,59 @@ def test_bench_resnet_dry_run(tmp_path):
         plain = "plain PyTensor JAX"
     except ImportError:  # the dry run's plain function falls back to FAST_COMPILE
         plain = "plain PyTensor FAST_COMPILE"
-    assert {f"{plain} tf32", "synk 2 ranks tf32"} <= rows, rows
+    expected = {f"{plain} tf32", "synk 2 ranks tf32"} | ({"plain JAX NHWC tf32"} if plain.endswith("JAX") else set())
+    assert expected <= rows, rows
     assert all(row["images_per_s"] > 0 for row in figures["rows"])
-    assert f"| {plain} tf32 |" in out and "| synk 2 ranks tf32 |" in out
+    assert all(f"| {name} |" in out for name in expected), out
     assert entries_of_pid(pid) == []
+
+
+def test_the_benchmarks_hand_written_jax_resnet_is_the_same_network():
+    """``benchmarks/jax_resnet.py`` (the benchmark's "plain JAX NHWC" rows) computes what
+    :func:`synk_lasagne.models.build_resnet` computes: given Lasagne's weights, the same loss, and
+    after one step of SGD with momentum the same loss again (so the same gradient and update)."""
+    jax = pytest.importorskip("jax")
+    import sys
+
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    from synk_lasagne import layers, objectives
+    from synk_lasagne.models import build_resnet
+    from synk_lasagne.random import set_rng
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import jax_resnet
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    depth, size, classes, width = 10, 32, 5, 8
+    set_rng(np.random.RandomState(3))
+    x, y = pt.tensor4("x", dtype="float32"), pt.ivector("y")
+    net = build_resnet(depth, size, classes, width, input_var=x)
+    probabilities = pt.special.softmax(layers.get_output(net, x), axis=-1)
+    loss = objectives.aggregate(objectives.categorical_crossentropy(probabilities, y))
+    params = layers.get_all_params(net, trainable=True)
+    updates = []
+    for p, g in zip(params, pytensor.grad(loss, params)):
+        v = pytensor.shared(np.zeros_like(p.get_value()))
+        new_v = np.float32(0.9) * v - np.float32(0.01) * g
+        updates += [(v, new_v), (p, p + new_v)]
+    step = pytensor.function([x, y], loss, updates=updates, mode="FAST_COMPILE")
+
+    weights: dict[str, dict[str, np.ndarray]] = {}
+    for p in params:
+        layer, _, kind = p.name.rpartition(".")  # conv1.W, conv1_bn.beta, conv1_bn.gamma, ..., fc.W, fc.b
+        value = p.get_value()
+        value = value.transpose(2, 3, 1, 0) if value.ndim == 4 else value  # OIHW (no flip) -> HWIO
+        weights.setdefault(layer.removesuffix("_bn"), {})[{"W": "w"}.get(kind, kind)] = value
+    jax_step, carry = jax_resnet.make_training(depth, width, classes, size, weights=weights)
+    rng = np.random.default_rng(0)
+    xb = rng.standard_normal((6, 3, size, size)).astype("float32")
+    yb = rng.integers(0, classes, 6).astype("int32")
+    with jax.default_matmul_precision("highest"):
+        for _ in range(2):
+            expected = float(step(xb, yb))
+            carry, got = jax_step(carry, np.ascontiguousarray(xb.transpose(0, 2, 3, 1)), yb)
+            np.testing.assert_allclose(float(got), expected, rtol=1e-4)
