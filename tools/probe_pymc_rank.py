@@ -12,8 +12,12 @@ backend single-threaded), three ways:
 ``JAX, features-major``  the same with the rows stored transposed (features x rows) and the
                          products chains-major (``B @ XT``)
 
-Each is timed as the best of 8 interleaved rounds of 30 calls; the values and gradients are
-checked against each other (1e-9 relative).
+and, with ``check_bounds=False``, synk's call without PyMC's parameter checks.  Each is timed as
+the best of 8 interleaved rounds of 30 calls; the values and gradients are checked against each
+other (1e-9 relative).  Then the pieces, in plain JAX on the same shapes: each product in the
+orientation PyTensor's graph computes it (chains-major) and in the hand-written one, and the
+elementwise part as PyMC's graph lowers (two softplus in PyTensor's JAX form, a sigmoid, switches
+on the observation) against the hand-written one.
 
 Usage: ``taskset -c 1 python tools/probe_pymc_rank.py [--rows 62500] [--chains 4]``
 """
@@ -56,6 +60,51 @@ def hand_written(chains_major: bool) -> Callable[..., Any]:
     return jax.jit(value_and_grad)
 
 
+def pieces(rows: int, k: int) -> dict[str, float]:
+    """Milliseconds of each piece of the evaluation in plain JAX (best of 10 interleaved rounds)."""
+    import jax
+    import jax.numpy as jnp
+
+    def pytensor_softplus(x: Any) -> Any:  # PyTensor's JAX form of Softplus: every branch is computed
+        return jnp.where(x < -37.0, jnp.exp(x), jnp.where(x < 18.0, jnp.log1p(jnp.exp(x)),
+                                                           jnp.where(x < 33.3, x + jnp.exp(-x), x)))
+
+    def pymc_like(e: Any, y: Any) -> Any:
+        c = y[None] > 0
+        s = jax.nn.sigmoid(e)
+        return jnp.where(c, -pytensor_softplus(-e), -pytensor_softplus(e)).sum(1), jnp.where(c, 1 - s, -s)
+
+    def hand(e: Any, y: Any) -> Any:
+        z = jnp.exp(e)
+        return (y[None] * e - jnp.log1p(z)).sum(1), y[None] - z / (1 + z)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((rows, 20)))
+    b = jnp.asarray(rng.standard_normal((k, 20)) * 0.1)
+    e = jnp.asarray(rng.standard_normal((k, rows)))
+    g_rows = jnp.asarray(rng.standard_normal((rows, k)))
+    y = jnp.asarray((rng.random(rows) < 0.5).astype(float))
+    cases: dict[str, tuple[Any, tuple[Any, ...]]] = {
+        "forward product, chains-major (B @ X.T)": (jax.jit(lambda b, x: b @ x.T), (b, x)),
+        "forward product, rows-major (X @ B.T)": (jax.jit(lambda b, x: x @ b.T), (b, x)),
+        "gradient product, chains-major (G @ X)": (jax.jit(lambda g, x: g @ x), (e, x)),
+        "gradient product, rows-major (G.T @ X)": (jax.jit(lambda g, x: g.T @ x), (g_rows, x)),
+        "elementwise, as PyMC's graph lowers": (jax.jit(pymc_like), (e, y)),
+        "elementwise, hand-written": (jax.jit(hand), (e, y)),
+    }
+    best = dict.fromkeys(cases, float("inf"))
+    for fn, fn_args in cases.values():
+        jax.block_until_ready(fn(*fn_args))
+    for _ in range(10):
+        for name, (fn, fn_args) in cases.items():
+            t0 = time.perf_counter()
+            for _ in range(30):
+                out = fn(*fn_args)
+            jax.block_until_ready(out)
+            best[name] = min(best[name], (time.perf_counter() - t0) / 30 * 1e3)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=62_500, help="one rank's rows (1,000,000 over 16 ranks)")
@@ -66,7 +115,7 @@ def main() -> None:
 
     import synkhronos as synk
     import synkhronos.pymc as synk_pymc
-    from synkhronos.pymc.split import _SPLITS
+    from synkhronos.pymc.split import _SPLITS, _Split
 
     jax.config.update("jax_enable_x64", True)
     k = args.chains
@@ -79,12 +128,17 @@ def main() -> None:
         with synk_pymc.data_parallel(model):
             model.logp_dlogp_function(ravel_inputs=True)(np.zeros(21))  # the split exists once a function is built
             split = next(iter(_SPLITS.values()))
+            split_rvs = [model[name] for name in split.names]
             order = [p.name for p in split.params]
             points = {s: [a[s] if name == "intercept" else b[s] for name in order] for s in range(k)}
             rows_fn, major_fn = hand_written(False), hand_written(True)
+            model.check_bounds = False
+            unchecked = _Split(model, split_rvs, model.logp(vars=split_rvs, jacobian=True, sum=False))
+            unchecked.evaluate_many(points, k, True)
             xr, xt, yj = jax.device_put(x), jax.device_put(np.ascontiguousarray(x.T)), jax.device_put(y.astype(float))
             variants: dict[str, Callable[[], Any]] = {
                 "synk": lambda: split.evaluate_many(points, k, True),
+                "synk, check_bounds=False": lambda: unchecked.evaluate_many(points, k, True),
                 "JAX, rows": lambda: jax.block_until_ready(rows_fn(a, b, xr, yj)),
                 "JAX, features-major": lambda: jax.block_until_ready(major_fn(a, b, xt, yj)),
             }
@@ -108,7 +162,7 @@ def main() -> None:
         np.testing.assert_allclose(gb, grads["beta"], rtol=1e-9, err_msg=name)
     print(f"\none rank: {args.rows} rows x 20 features, float64, {k} chains' value and gradient, one core")
     print("| evaluation | ms per call |\n|---|---:|")
-    for name, ms in best.items():
+    for name, ms in {**best, **pieces(args.rows, k)}.items():
         print(f"| {name} | {ms:.2f} |")
 
 

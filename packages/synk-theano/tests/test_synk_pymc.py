@@ -348,3 +348,35 @@ def test_the_example_samples_a_logistic_regression(tmp_path):
     # 1000 rows pin the intercept and the coefficients to about 0.1
     assert abs(float(match.group(1)) + 0.5) < 0.3 and float(match.group(2)) < 0.4, out
     assert not [e for e in os.listdir(SHM_DIR) if f"-{proc.pid}-" in e], "the example left shared memory behind"
+
+
+def test_the_likelihood_mode_evaluates_one_softplus_in_one_pass_as_pytensor_does():
+    """The CPU ranks' mode for batched likelihoods (:func:`synkhronos.pymc.graph.likelihood_mode`):
+    PyMC's Bernoulli switch of two softplus becomes one softplus of the switched argument (each
+    element the same branch as before), the softplus ``max(x, 0) + log1p(exp(-|x|))``; the values
+    and gradients equal PyTensor's default mode to 1e-15 from -800 to 800 (and at +-inf), no
+    Softplus is left in the compiled graph, and the mode pickles by reference (it travels to the
+    ranks in a function's spec)."""
+    import pickle
+
+    from pytensor.scalar.math import Softplus
+
+    from synkhronos.pymc.graph import likelihood_mode
+
+    pytest.importorskip("jax")
+    x, y = pt.dvector("x"), pt.lvector("y")
+    p = pt.sigmoid(x)
+    term = pt.switch(pt.eq(y, 1), pt.log(p), pt.log1p(-p))  # PyMC's Bernoulli before stabilisation
+    outs = [term, pytensor.grad(term.sum(), x)]
+    mode = pickle.loads(pickle.dumps(likelihood_mode()))
+    ours = pytensor.function([x, y], outs, mode=mode)
+    reference = pytensor.function([x, y], outs, mode="FAST_RUN")
+    assert not any(isinstance(getattr(n.op, "scalar_op", None), Softplus) for n in ours.maker.fgraph.toposort())
+    xs = np.concatenate([np.linspace(-800, 800, 40_001), [-np.inf, np.inf, -40.0, -36.9, 17.9, 18.1, 33.2, 33.4]])
+    for label in (0, 1):
+        ys = np.full(xs.shape, label, dtype="int64")
+        for got, want in zip(ours(xs, ys), reference(xs, ys)):
+            finite = np.isfinite(want)
+            np.testing.assert_array_equal(np.isfinite(got), finite)
+            np.testing.assert_allclose(got[finite], want[finite], rtol=1e-15, atol=1e-300)
+            np.testing.assert_array_equal(got[~finite], want[~finite])

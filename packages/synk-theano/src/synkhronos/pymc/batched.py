@@ -18,20 +18,24 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 
-def _xla_dot() -> dict[str, Any]:
-    """``mode="JAX"`` for the batched likelihood in CPU mode's JAX ranks: XLA's own product, not
-    numpy's BLAS (:mod:`synkhronos.blas`).  The chains' products are tall and thin (rows by
-    features times features by chains), where the BLAS call took about 1.8x XLA's time: 4 chains'
-    logistic regression at 200,000 rows on 2 ranks, 35 against 19 ms per call (2-core VM,
-    ``bench_pymc.py --evals --batch 4`` with ``SYNK_CPU_BLAS=1`` and ``=0``).  ``SYNK_CPU_BLAS=1``
-    keeps the BLAS."""
+def _rank_mode() -> dict[str, Any]:
+    """``mode=`` for the batched likelihood in CPU mode's JAX ranks: JAX with
+    :func:`synkhronos.pymc.graph.likelihood_mode`'s rewrites (one softplus an element and chain,
+    computed in one pass), and XLA's own product, not numpy's BLAS (:mod:`synkhronos.blas`).
+
+    The chains' products are tall and thin (rows by features times features by chains), where the
+    BLAS call took about 1.8x XLA's time: 4 chains' logistic regression at 200,000 rows on 2 ranks,
+    35 against 19 ms per call (2-core VM, ``bench_pymc.py --evals --batch 4`` with
+    ``SYNK_CPU_BLAS=1`` and ``=0``).  ``SYNK_CPU_BLAS=1`` keeps the BLAS (and PyTensor's graph as
+    it compiles it).  On GPUs the engine compiles the graph as it is."""
     from synkhronos import blas
+    from synkhronos.pymc.graph import likelihood_mode
     from synkhronos.runtime import get_runtime
 
     device = get_runtime().device
     if device.use_gpu or getattr(device, "backend", None) != "jax" or os.environ.get(blas.BLAS_ENV, "").strip() == "1":
         return {}
-    return {"mode": "JAX"}
+    return {"mode": likelihood_mode()}
 
 
 class _Batched:
@@ -64,7 +68,7 @@ class _Batched:
             if len(grads) else []
         outs = _without_checks(split.check_bounds, [values, *packed])
         name = f"pymc_likelihood_{'_'.join(split.names)}_x{width}"
-        mode = _xla_dot()
+        mode = _rank_mode()
         try:
             with warnings.catch_warnings():  # compiled in JAX mode: JAX drops PyTensor's shape asserts
                 warnings.filterwarnings("ignore", message=SKIPPED_ASSERT)
