@@ -60,6 +60,22 @@ def hand_written(chains_major: bool) -> Callable[..., Any]:
     return jax.jit(value_and_grad)
 
 
+def interleaved_best(cases: dict[str, Callable[[], Any]], rounds: int, calls: int = 30) -> dict[str, float]:
+    """Milliseconds per call of each case: the best of ``rounds`` rounds, each timing ``calls``
+    calls of every case in turn (waiting for JAX's last result before the clock stops)."""
+    import jax
+
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                out = fn()
+            jax.block_until_ready(out)
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e3)
+    return best
+
+
 def pieces(rows: int, k: int) -> dict[str, float]:
     """Milliseconds of each piece of the evaluation in plain JAX (best of 10 interleaved rounds)."""
     import jax
@@ -92,17 +108,9 @@ def pieces(rows: int, k: int) -> dict[str, float]:
         "elementwise, as PyMC's graph lowers": (jax.jit(pymc_like), (e, y)),
         "elementwise, hand-written": (jax.jit(hand), (e, y)),
     }
-    best = dict.fromkeys(cases, float("inf"))
     for fn, fn_args in cases.values():
         jax.block_until_ready(fn(*fn_args))
-    for _ in range(10):
-        for name, (fn, fn_args) in cases.items():
-            t0 = time.perf_counter()
-            for _ in range(30):
-                out = fn(*fn_args)
-            jax.block_until_ready(out)
-            best[name] = min(best[name], (time.perf_counter() - t0) / 30 * 1e3)
-    return best
+    return interleaved_best({name: lambda fn=fn, a=fn_args: fn(*a) for name, (fn, fn_args) in cases.items()}, 10)
 
 
 def main() -> None:
@@ -143,13 +151,7 @@ def main() -> None:
                 "JAX, features-major": lambda: jax.block_until_ready(major_fn(a, b, xt, yj)),
             }
             results = {name: fn() for name, fn in variants.items()}
-            best = dict.fromkeys(variants, float("inf"))
-            for _ in range(8):
-                for name, fn in variants.items():
-                    t0 = time.perf_counter()
-                    for _ in range(30):
-                        fn()
-                    best[name] = min(best[name], (time.perf_counter() - t0) / 30 * 1e3)
+            best = interleaved_best(variants, 8)
     finally:
         synk.close()
     got = results["synk"]

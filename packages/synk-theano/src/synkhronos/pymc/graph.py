@@ -111,6 +111,10 @@ def _softplus_in_one_pass(fgraph: Any, node: Any) -> list[Any] | None:
     return [pt.maximum(x, 0) + pt.log1p(pt.exp(-pt.abs(x)))]
 
 
+LIKELIHOOD_REWRITE_POSITION = 2.5
+"""Between PyTensor's ``specialize`` (2) and ``uncanonicalize`` (3) in its optimisation database."""
+
+
 def likelihood_mode() -> Any:
     """PyTensor's JAX mode with the two rewrites above, placed after PyTensor's stabilisation (which
     turns PyMC's ``log(sigmoid(x))`` into softplus) so that nothing turns them back: the rows' pass
@@ -130,6 +134,3 @@ def likelihood_mode() -> Any:
     base = LikelihoodMode(linker=jax_mode.linker, optimizer=jax_mode.provided_optimizer)
     return base.register((rewrite, LIKELIHOOD_REWRITE_POSITION))
 
-
-LIKELIHOOD_REWRITE_POSITION = 2.5
-"""Between PyTensor's ``specialize`` (2) and ``uncanonicalize`` (3) in its optimisation database."""
